@@ -1,0 +1,267 @@
+"""Cluster specification: device kinds, devices, nodes and links.
+
+A cluster is a flat, ordered list of devices (the order is the rank order used by plans and
+the runtime) grouped into nodes. Devices of one node talk over the intra-node link; devices
+of different nodes over the inter-node network, whose speed is the slowest NIC on the path
+(a node may declare its own `nic_bandwidth_gbps`).
+
+Units are part of the field names: throughput in FLOP/s, memory in GiB, link bandwidth in
+Gbit/s, memory bandwidth in GB/s, latency in microseconds.
+
+Specs are written in TOML (or JSON). A node lists its devices by name, or gives `kind` and
+`num_devices` as a shorthand that names them `<node>/<i>`:
+
+    name = "a100-t4"
+    [device_kinds.A100]
+    throughput_flops = 156e12
+    memory_gib = 40
+    [[nodes]]
+    name = "fast"
+    kind = "A100"
+    num_devices = 4
+    [links]
+    intra_node_bandwidth_gbps = 2400
+    inter_node_bandwidth_gbps = 100
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cost_models.calibration import Calibration
+
+
+class ClusterSpecError(ValueError):
+    """A cluster spec that cannot be used; the message names the field and the value."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DeviceKind(_Frozen):
+    """A device model. `throughput_flops` is the effective dense matmul rate (peak or measured)."""
+
+    throughput_flops: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    memory_bandwidth_gbyte_s: float = Field(default=500.0, gt=0)
+    kernel_launch_us: float = Field(default=5.0, ge=0)
+    measured: bool = False
+
+
+class Device(_Frozen):
+    name: str = Field(min_length=1)
+    kind: str = Field(min_length=1)
+
+
+class Node(_Frozen):
+    name: str = Field(min_length=1)
+    devices: tuple[str, ...]
+    nic_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    intra_bandwidth_gbps: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Node":
+        if not self.devices:
+            raise ValueError(f"node {self.name!r} has no devices; list at least one device")
+        return self
+
+
+class Links(_Frozen):
+    intra_node_bandwidth_gbps: float = Field(gt=0)
+    intra_node_latency_us: float = Field(default=5.0, ge=0)
+    inter_node_bandwidth_gbps: float = Field(gt=0)
+    inter_node_latency_us: float = Field(default=50.0, ge=0)
+
+
+class Emulation(_Frozen):
+    """How to emulate this cluster on one machine (see runtime.emulation)."""
+
+    cpu_quota: dict[str, float] = Field(description="CPU share per device kind, e.g. 0.5")
+    period_us: int = Field(default=10_000, ge=1000, le=1_000_000)
+    shape_links: bool = True
+
+    @model_validator(mode="after")
+    def _quotas_positive(self) -> "Emulation":
+        for kind, quota in self.cpu_quota.items():
+            if not 0 < quota <= 64:
+                raise ValueError(f"cpu_quota[{kind!r}] = {quota}: must be in (0, 64] CPUs")
+        return self
+
+
+class ClusterSpec(_Frozen):
+    name: str = Field(min_length=1)
+    description: str = ""
+    device_kinds: dict[str, DeviceKind] = Field(min_length=1)
+    devices: tuple[Device, ...] = Field(min_length=1)
+    nodes: tuple[Node, ...] = Field(min_length=1)
+    links: Links
+    emulation: Emulation | None = None
+    calibration: Calibration | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ClusterSpec":
+        _check_unique("devices", [d.name for d in self.devices])
+        _check_unique("nodes", [n.name for n in self.nodes])
+        _check_kinds(self)
+        _check_membership(self)
+        return self
+
+    # -- derived views -------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def device_kind(self, rank: int) -> DeviceKind:
+        return self.device_kinds[self.devices[rank].kind]
+
+    def node_of(self, rank: int) -> int:
+        """Index of the node holding device `rank`."""
+        name = self.devices[rank].name
+        return next(i for i, n in enumerate(self.nodes) if name in n.devices)
+
+    def throughputs_flops(self) -> list[float]:
+        return [self.device_kind(r).throughput_flops for r in range(self.num_devices)]
+
+    def memories_gib(self) -> list[float]:
+        return [self.device_kind(r).memory_gib for r in range(self.num_devices)]
+
+    def fingerprint(self) -> str:
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def first(self, num_devices: int) -> "ClusterSpec":
+        """The sub-cluster of the first `num_devices` devices (in rank order)."""
+        if not 1 <= num_devices <= self.num_devices:
+            raise ClusterSpecError(
+                f"--devices {num_devices}: cluster {self.name!r} has {self.num_devices} devices; "
+                f"choose 1..{self.num_devices}"
+            )
+        keep = {d.name for d in self.devices[:num_devices]}
+        nodes = [
+            n.model_copy(update={"devices": tuple(d for d in n.devices if d in keep)})
+            for n in self.nodes
+        ]
+        return self.model_copy(
+            update={
+                "name": f"{self.name}[:{num_devices}]",
+                "devices": self.devices[:num_devices],
+                "nodes": tuple(n for n in nodes if n.devices),
+            }
+        )
+
+
+def _check_unique(what: str, names: list[str]) -> None:
+    repeated = sorted(n for n, c in Counter(names).items() if c > 1)
+    if repeated:
+        raise ValueError(f"{what}: names must be unique; repeated: {repeated}")
+
+
+def _check_kinds(spec: ClusterSpec) -> None:
+    for device in spec.devices:
+        if device.kind not in spec.device_kinds:
+            raise ValueError(
+                f"devices: device {device.name!r} has kind {device.kind!r}; "
+                f"valid kinds are {sorted(spec.device_kinds)}"
+            )
+
+
+def _check_membership(spec: ClusterSpec) -> None:
+    known = {d.name for d in spec.devices}
+    owner: dict[str, str] = {}
+    for node in spec.nodes:
+        for name in node.devices:
+            if name not in known:
+                raise ValueError(
+                    f"nodes: node {node.name!r} lists unknown device {name!r}; "
+                    f"declared devices are {sorted(known)[:8]}{'...' if len(known) > 8 else ''}"
+                )
+            if name in owner:
+                raise ValueError(
+                    f"nodes: device {name!r} is listed on two nodes, {owner[name]!r} and "
+                    f"{node.name!r}; a device belongs to exactly one node"
+                )
+            owner[name] = node.name
+    orphans = [d.name for d in spec.devices if d.name not in owner]
+    if orphans:
+        raise ValueError(f"devices: {orphans} belong to no node; list each device on one node")
+    order = [name for node in spec.nodes for name in node.devices]
+    if order != [d.name for d in spec.devices]:
+        raise ValueError("devices: must be listed in node order (rank order is node by node)")
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def _expand_node_shorthand(raw: dict[str, Any]) -> dict[str, Any]:
+    """Turn `kind` + `num_devices` on a node into explicit devices named `<node>/<i>`."""
+    raw = dict(raw)
+    nodes = raw.get("nodes")
+    if not isinstance(nodes, list):
+        return raw
+    devices = list(raw.get("devices", []))
+    expanded = []
+    for node in nodes:
+        if isinstance(node, dict) and "num_devices" in node:
+            node = dict(node)
+            count, kind = node.pop("num_devices"), node.pop("kind", None)
+            if not isinstance(count, int) or count < 1:
+                raise ClusterSpecError(
+                    f"nodes[{node.get('name')!r}].num_devices = {count!r}: must be an integer >= 1"
+                )
+            names = [f"{node.get('name')}/{i}" for i in range(count)]
+            devices += [{"name": n, "kind": kind} for n in names]
+            node["devices"] = list(node.get("devices", [])) + names
+        expanded.append(node)
+    raw["nodes"], raw["devices"] = expanded, devices
+    return raw
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = [f"invalid cluster spec {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) or e["type"] == "missing" else f" = {value!r}"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "missing":
+            msg = "missing required field"
+        lines.append(f"  {loc}{shown}: {msg}" if loc else f"  {msg}")
+    return "\n".join(lines)
+
+
+def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
+    """Validate a parsed spec; raises ClusterSpecError naming every bad field and value."""
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"invalid cluster spec {source}: expected a table, got {type(raw).__name__}")
+    try:
+        return ClusterSpec.model_validate(_expand_node_shorthand(raw))
+    except ValidationError as err:
+        raise ClusterSpecError(_format_errors(source, err)) from None
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Load a cluster spec from a .toml or .json file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ClusterSpecError(f"cluster spec {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ClusterSpecError(f"cluster spec {path}: cannot parse: {err}") from None
+    return cluster_from_dict(raw, source=str(path))
+
+
+def dump_cluster_toml(spec: ClusterSpec) -> str:
+    """Serialise a spec as TOML (used by the profiler to write measured specs)."""
+    import tomli_w
+
+    return tomli_w.dumps(spec.model_dump(mode="json", exclude_none=True))

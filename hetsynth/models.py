@@ -1,0 +1,183 @@
+"""Model references: `NAME:PRESET[,key=value...]` for zoo models, `path/file.py:factory[,k=v]`
+for a user's own model.
+
+A user factory is called with the overrides as keyword arguments and returns
+`(module, example_inputs)`; the module's forward returns the loss. Training data for a user
+model are the rows of its example inputs when they hold real values (sample `i` is row
+`i % batch`), and seeded random values of the same shape and dtype when they are on the meta
+device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import typing
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from hetsynth.zoo import ZOO, ZooModel
+from hetsynth.zoo.layers import seeded_generator
+
+
+class ModelRefError(ValueError):
+    """A model reference that does not resolve; the message lists what would be valid."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved model reference: how to build the module, its inputs and its data."""
+
+    ref: str
+    name: str
+    config: Any
+    _build: Callable[[], nn.Module] = field(repr=False)
+    _inputs: Callable[[Any], tuple[torch.Tensor, ...]] = field(repr=False)
+    _batch: Callable[[Sequence[int], int], tuple[torch.Tensor, ...]] = field(repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, getattr(self.config, "dtype", "float32"))
+
+    @cached_property
+    def batch_size(self) -> int:
+        return int(self.example_inputs("meta")[0].shape[0])
+
+    def build(self, device: str | torch.device = "cpu") -> nn.Module:
+        """Build the module on `device` with its own initialisation, in the spec's dtype."""
+        with torch.device(device):
+            module = self._build()
+        return module.to(self.dtype)
+
+    def example_inputs(self, device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(device) for t in self._inputs(device))
+
+    def make_batch(self, sample_ids: Sequence[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+        """The training inputs of the given global sample indices (the same on every rank)."""
+        return self._batch(sample_ids, seed)
+
+
+def _coerce(model: str, cfg_cls: type, key: str, text: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
+    if key not in fields:
+        raise ModelRefError(
+            f"model {model!r} has no option {key!r}; valid options: {', '.join(sorted(fields))}"
+        )
+    kind = typing.get_type_hints(cfg_cls)[key]
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        value = kind(text)
+    except ValueError:
+        raise ModelRefError(f"{model}: {key}={text!r} is not a valid {kind.__name__}") from None
+    if key == "dtype" and not isinstance(getattr(torch, value, None), torch.dtype):
+        raise ModelRefError(f"{model}: dtype={text!r} is not a torch dtype (float32, float64, ...)")
+    return value
+
+
+def _parse_overrides(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in item:
+            raise ModelRefError(f"override {item!r} must look like key=value")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _zoo_spec(ref: str, entry: ZooModel, preset: str, overrides: dict[str, str]) -> ModelSpec:
+    if preset not in entry.presets:
+        raise ModelRefError(
+            f"model {entry.name!r} has no preset {preset!r}; presets: {', '.join(entry.presets)}"
+        )
+    values = dict(entry.presets[preset])
+    values.update({k: _coerce(entry.name, entry.config_cls, k, v) for k, v in overrides.items()})
+    try:
+        cfg = entry.config_cls(**values)
+    except (TypeError, ValueError) as err:
+        raise ModelRefError(f"{ref}: {err}") from None
+    return ModelSpec(
+        ref=ref, name=entry.name, config=cfg,
+        _build=lambda: entry.build(cfg),
+        _inputs=lambda device: entry.example_inputs(cfg, device),
+        _batch=lambda ids, seed: entry.make_batch(cfg, ids, seed),
+    )
+
+
+def _load_factory(path: Path, name: str) -> Callable[..., Any]:
+    if not path.is_file():
+        raise ModelRefError(f"model file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"hetsynth_user_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        found = sorted(n for n in vars(module) if callable(vars(module)[n]) and not n.startswith("_"))
+        raise ModelRefError(f"{path} has no callable {name!r}; callables found: {found}")
+    return factory
+
+
+def _rows(inputs: tuple[torch.Tensor, ...], ids: Sequence[int], seed: int) -> tuple[torch.Tensor, ...]:
+    """Rows of real example inputs, or seeded random rows for meta example inputs."""
+    out = []
+    for t in inputs:
+        if t.device.type != "meta":
+            out.append(t[[i % t.shape[0] for i in ids]])
+            continue
+        rows = []
+        for i in ids:
+            g = seeded_generator(seed, i)
+            rows.append(torch.randn(t.shape[1:], generator=g, dtype=t.dtype) if t.is_floating_point()
+                        else torch.randint(0, 2, t.shape[1:], generator=g, dtype=t.dtype))
+        out.append(torch.stack(rows) if rows else t.new_zeros((0, *t.shape[1:]), device="cpu"))
+    return tuple(out)
+
+
+def _file_spec(ref: str, path: Path, factory_name: str, overrides: dict[str, str]) -> ModelSpec:
+    factory = _load_factory(path, factory_name)
+    cache: dict[str, Any] = {}
+
+    def made() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        if "v" not in cache:
+            result = factory(**overrides)
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+                raise ModelRefError(f"{ref}: the factory must return (nn.Module, example_inputs)")
+            cache["v"] = (result[0], tuple(result[1]))
+        return cache["v"]
+
+    def build() -> nn.Module:
+        cache.pop("v", None)  # a fresh module (fresh initialisation) per build
+        return made()[0]
+
+    return ModelSpec(ref=ref, name=path.stem, config=None, _build=build,
+                     _inputs=lambda device: made()[1],
+                     _batch=lambda ids, seed: _rows(made()[1], ids, seed))
+
+
+def parse_model_ref(ref: str) -> ModelSpec:
+    """Resolve `NAME:PRESET[,k=v...]` or `path/file.py:factory[,k=v...]`."""
+    head, _, tail = ref.partition(",")
+    name, sep, preset = head.rpartition(":")
+    if not sep:
+        name, preset = head, "tiny" if head in ZOO else ""
+    if name.endswith(".py"):
+        return _file_spec(ref, Path(name), preset or "model", _parse_overrides(tail))
+    if name not in ZOO:
+        raise ModelRefError(
+            f"unknown model {name!r}; zoo models: {', '.join(ZOO)} (or path/to/file.py:factory)"
+        )
+    return _zoo_spec(ref, ZOO[name], preset, _parse_overrides(tail))
+
+
+def with_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
+    """The same reference with extra overrides appended (for example batch_size)."""
+    extra = ",".join(f"{k}={v}" for k, v in overrides.items())
+    return parse_model_ref(f"{spec.ref},{extra}" if extra else spec.ref)

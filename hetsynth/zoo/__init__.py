@@ -1,0 +1,48 @@
+"""The model zoo: plain-PyTorch benchmark models, each a factory with named presets.
+
+Every model's `forward(*inputs)` returns the training loss. Presets share override names where
+they apply (`num_layers`, `hidden`, `num_heads`, `ffn_hidden`, `seq_len`, `vocab_size`,
+`batch_size`, `num_experts`, plus `dtype`); each model has a `tiny` preset for tests. Models
+are referenced as `NAME:PRESET[,key=value...]` (see hetsynth.models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from hetsynth.zoo import bert, gpt, hf, moe, vgg, vit
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    description: str
+    config_cls: type
+    presets: Mapping[str, Mapping[str, Any]]
+    build: Callable[[Any], nn.Module]
+    example_inputs: Callable[[Any, Any], tuple[torch.Tensor, ...]]
+    make_batch: Callable[[Any, Sequence[int], int], tuple[torch.Tensor, ...]]
+
+
+ZOO: dict[str, ZooModel] = {
+    "gpt": ZooModel("gpt", "decoder-only transformer, causal attention, tied embeddings",
+                    gpt.GPTConfig, gpt.PRESETS, gpt.build, gpt.example_inputs, gpt.make_batch),
+    "bert": ZooModel("bert", "BERT-style encoder with a masked-LM head",
+                     bert.BERTConfig, bert.PRESETS, bert.build, bert.example_inputs, bert.make_batch),
+    "vit": ZooModel("vit", "vision transformer: patch conv, class token",
+                    vit.ViTConfig, vit.PRESETS, vit.build, vit.example_inputs, vit.make_batch),
+    "vgg": ZooModel("vgg", "VGG19, CIFAR-size input, 25088x4096 classifier",
+                    vgg.VGGConfig, vgg.PRESETS, vgg.build, vgg.example_inputs, vgg.make_batch),
+    "moe": ZooModel("moe", "transformer with top-2 gated mixture-of-experts FFNs",
+                    moe.MoEConfig, moe.PRESETS, moe.build, moe.example_inputs, moe.make_batch),
+    "hf-gpt2": ZooModel("hf-gpt2", "HuggingFace GPT2LMHeadModel from a config (needs transformers)",
+                        hf.HFConfig, hf.PRESETS, hf.build_gpt2, hf.example_inputs, hf.make_gpt2_batch),
+    "hf-bert": ZooModel("hf-bert", "HuggingFace BertForMaskedLM from a config (needs transformers)",
+                        hf.HFConfig, hf.PRESETS, hf.build_bert, hf.example_inputs, hf.make_bert_batch),
+}
+
+__all__ = ["ZOO", "ZooModel"]
