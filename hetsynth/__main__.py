@@ -1,0 +1,3 @@
+from hetsynth.cli import main
+
+raise SystemExit(main())

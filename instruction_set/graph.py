@@ -1,0 +1,131 @@
+"""The reference graph: the single-device program that every plan distributes.
+
+A `ReferenceGraph` is the captured forward pass of a model as ATen ops (torch.export,
+training IR), in a topological order, as plain data:
+
+- `Node.op` is `param`, `buffer` or `input` for graph inputs and `call` for ops; the graph's
+  single output is the scalar loss named by `ReferenceGraph.loss`.
+- `Node.target` is the ATen overload (`aten.linear.default`) or `getitem` (an element of a
+  multi-output op such as `aten.split.Tensor`).
+- `Node.args` / `kwargs` are JSON-encoded (instruction_set.args); `Node.inputs` lists the
+  tensor-valued arguments the op reads, in argument order (a tensor passed twice appears
+  twice); a rule gives one layout per entry.
+- `Node.outputs` holds one TensorMeta per output (several for split/topk).
+- FLOPs are per op, forward and backward, counted by FlopCounterMode on meta tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+}
+
+
+class TensorMeta(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+
+class Node(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    op: Literal["param", "buffer", "input", "call"]
+    target: str = ""
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[TensorMeta, ...] = ()
+    multi_output: bool = False
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    module_path: str = ""
+    source: str = ""
+    fqn: str = ""
+    fallback: bool = False
+
+    @property
+    def out(self) -> TensorMeta:
+        """The output of a single-output node."""
+        assert len(self.outputs) == 1, f"{self.name} has {len(self.outputs)} outputs"
+        return self.outputs[0]
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+class ReferenceGraph(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_ref: str
+    nodes: tuple[Node, ...]
+    loss: str
+    fallback_ops: tuple[str, ...] = ()
+
+    @cached_property
+    def by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def node(self, name: str) -> Node:
+        return self.by_name[name]
+
+    @cached_property
+    def consumers(self) -> dict[str, tuple[str, ...]]:
+        users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                users[i].append(n.name)
+        return {k: tuple(v) for k, v in users.items()}
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the graph structure (ops, arguments, shapes), independent of the model ref."""
+        payload = json.dumps(
+            [n.model_dump(mode="json", exclude={"source", "flops_fwd", "flops_bwd"}) for n in self.nodes],
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def params(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "param"]
+
+    @property
+    def calls(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "call"]
+
+    @property
+    def num_params(self) -> int:
+        return sum(n.out.numel for n in self.params)
+
+    @property
+    def flops(self) -> tuple[float, float]:
+        """(forward, backward) FLOPs of one training step."""
+        return sum(n.flops_fwd for n in self.nodes), sum(n.flops_bwd for n in self.nodes)

@@ -1,0 +1,51 @@
+"""Run a reference graph on one device: the single-device semantics that every plan must match.
+
+`run_graph(graph, values)` evaluates the graph's ops in order on real tensors, given the
+values of its params, buffers and inputs by node name, and returns the loss.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping
+
+import torch
+
+from instruction_set.args import decode_arg
+from instruction_set.graph import Node, ReferenceGraph
+
+
+def resolve_target(target: str) -> Any:
+    """'aten.linear.default' -> torch.ops.aten.linear.default; 'getitem' -> operator.getitem."""
+    if target == "getitem":
+        return operator.getitem
+    namespace, op, overload = target.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def call_node(node: Node, env: Mapping[str, Any], device: torch.device) -> Any:
+    args = decode_arg(list(node.args), env.__getitem__, device)
+    kwargs = {k: decode_arg(v, env.__getitem__, device) for k, v in node.kwargs.items()}
+    return resolve_target(node.target)(*args, **kwargs)
+
+
+def run_graph(graph: ReferenceGraph, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    env: dict[str, Any] = dict(values)
+    device = next(iter(values.values())).device if values else torch.device("cpu")
+    for node in graph.calls:
+        env[node.name] = call_node(node, env, device)
+    return env[graph.loss]
+
+
+def graph_inputs(graph: ReferenceGraph, module: torch.nn.Module,
+                 inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """Values of the graph's params, buffers (by fully-qualified name) and user inputs."""
+    state = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    user = iter(inputs)
+    out = {}
+    for node in graph.nodes:
+        if node.op in ("param", "buffer"):
+            out[node.name] = state[node.fqn]
+        elif node.op == "input":
+            out[node.name] = next(user)
+    return out

@@ -1,0 +1,277 @@
+"""Capture an nn.Module into the reference graph (instruction_set.graph).
+
+1. `torch.export.export(..., strict=False)` in training mode gives an ATen graph in the
+   training IR (linear, layer_norm, scaled_dot_product_attention stay whole ops). Exporting a
+   module on the meta device allocates nothing, so a 1.5B-parameter model captures in seconds.
+2. Assertion no-ops are dropped and cross-entropy is decomposed (planner.decompose).
+3. Every node is replayed on meta tensors: outputs give shapes, dtypes and whether a gradient
+   flows; FlopCounterMode counts the forward FLOPs of the op and, through autograd on the
+   op alone, its backward FLOPs. Counts are cached per (op, argument shapes), so repeated
+   layers cost one count.
+4. Ops without a sharding rule are collected, all of them, with their module path and source
+   line; they fail the capture unless `allow_replicate_fallback` accepts them as
+   replicated-only ops.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from instruction_set.args import decode_arg, encode_arg, refs_in
+from instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from instruction_set.rules import is_supported
+from planner.decompose import decompose_cross_entropy, strip_noops
+
+META = torch.device("meta")
+
+
+class CaptureError(ValueError):
+    """The model cannot be captured; the message says why and where."""
+
+
+class UnsupportedOpsError(CaptureError):
+    def __init__(self, report: list["UnsupportedOp"]) -> None:
+        self.report = report
+        lines = [f"{len(report)} unsupported op kind(s) (no sharding rule):"]
+        for op in report:
+            lines.append(f"  {op.target} x{op.count}")
+            lines += [f"      at {where}" for where in op.places[:5]]
+        lines.append("Re-run with --allow-replicate-fallback (API: allow_replicate_fallback=True) "
+                     "to compute them replicated on every device.")
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class UnsupportedOp:
+    target: str
+    count: int
+    places: tuple[str, ...]
+
+
+def target_name(target: Any) -> str:
+    return "getitem" if target is operator.getitem else str(target)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def _source(node: fx.Node) -> str:
+    """'file.py:12  code' of the innermost frame outside torch in the node's stack trace."""
+    lines = (node.meta.get("stack_trace") or "").rstrip().split("\n")
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "') and not line[6:].startswith(_TORCH_DIR):
+            path, _, rest = line[6:].partition('", line ')
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{path}:{rest.split(',')[0]}  {code}"
+    return ""
+
+
+def _meta_of(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=tuple(int(s) for s in t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                      requires_grad=bool(t.requires_grad))
+
+
+def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> torch.export.ExportedProgram:
+    model.train()
+    try:
+        return torch.export.export(model, tuple(inputs), strict=False)
+    except Exception as err:  # export raises many types; report them as one capture error
+        raise CaptureError(f"torch.export could not trace the model: {type(err).__name__}: {err}") from err
+
+
+class _Replay:
+    """Runs graph nodes one by one on meta tensors, counting FLOPs per node."""
+
+    def __init__(self) -> None:
+        self.env: dict[str, Any] = {}
+        self.cache: dict[str, tuple[float, float]] = {}
+
+    def leaf(self, name: str) -> Any:
+        value = self.env[name]
+        if isinstance(value, (tuple, list)):
+            return value
+        return value.detach().requires_grad_(value.requires_grad)
+
+    def run(self, target: Any, args: list, kwargs: dict, key: str) -> tuple[Any, float, float]:
+        leaves: list[torch.Tensor] = []
+
+        def resolve(name: str) -> Any:
+            t = self.leaf(name)
+            if isinstance(t, torch.Tensor):
+                leaves.append(t)
+            return t
+
+        a = decode_arg(args, resolve, META)
+        k = {n: decode_arg(v, resolve, META) for n, v in kwargs.items()}
+        cached = self.cache.get(key)
+        if cached is not None:
+            with torch.no_grad() if not any(t.requires_grad for t in leaves) else _nullctx():
+                return target(*a, **k), *cached
+        with FlopCounterMode(display=False) as fwd:
+            out = target(*a, **k)
+        bwd = _backward_flops(out, [t for t in leaves if t.requires_grad])
+        self.cache[key] = (float(fwd.get_total_flops()), bwd)
+        return out, *self.cache[key]
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _backward_flops(out: Any, leaves: list[torch.Tensor]) -> float:
+    outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs or not leaves:
+        return 0.0
+    with FlopCounterMode(display=False) as bwd:
+        torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+    return float(bwd.get_total_flops())
+
+
+def _cache_key(target: str, args: list, kwargs: dict, replay: _Replay) -> str:
+    def shape_of(name: str) -> Any:
+        v = replay.env[name]
+        if isinstance(v, torch.Tensor):
+            return [list(v.shape), str(v.dtype), v.requires_grad]
+        return name
+
+    sub = lambda x: [sub(i) for i in x] if isinstance(x, list) else (
+        shape_of(x["ref"]) if isinstance(x, dict) and "ref" in x else x)
+    return json.dumps([target, sub(args), {k: sub(v) for k, v in kwargs.items()}], default=str)
+
+
+def _placeholder_kinds(ep: torch.export.ExportedProgram) -> dict[str, tuple[str, str]]:
+    kinds = {"PARAMETER": "param", "BUFFER": "buffer", "USER_INPUT": "input"}
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        kind = kinds.get(spec.kind.name)
+        if kind is None:
+            raise CaptureError(
+                f"graph input {spec.arg.name!r} is a {spec.kind.name.lower()} ({spec.target}); "
+                "create tensors in __init__ and register them as buffers instead of in forward"
+            )
+        out[spec.arg.name] = (kind, spec.target or "")
+    return out
+
+
+def _placeholder(node: fx.Node, kind: str, fqn: str, replay: _Replay) -> Node:
+    val = node.meta["val"]
+    t = torch.empty(val.shape, dtype=val.dtype, device=META)
+    t.requires_grad_(kind == "param" and t.is_floating_point())
+    replay.env[node.name] = t
+    return Node(name=node.name, op=kind, fqn=fqn, outputs=(_meta_of(t),))
+
+
+def _call(node: fx.Node, replay: _Replay) -> Node:
+    name_of = lambda v: v.name if isinstance(v, fx.Node) else None
+    args = [encode_arg(a, name_of) for a in node.args]
+    kwargs = {k: encode_arg(v, name_of) for k, v in node.kwargs.items()}
+    target = target_name(node.target)
+    try:
+        out, fwd, bwd = replay.run(node.target, args, kwargs, _cache_key(target, args, kwargs, replay))
+    except Exception:  # op without a meta kernel: fall back to export's shapes, no FLOPs
+        out, fwd, bwd = _from_export_meta(node.meta.get("val")), 0.0, 0.0
+    replay.env[node.name] = out
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return Node(
+        name=node.name, op="call", target=target, args=tuple(args), kwargs=kwargs,
+        inputs=tuple(refs_in(args) + [r for v in kwargs.values() for r in refs_in(v)]),
+        outputs=tuple(_meta_of(t) for t in outs if isinstance(t, torch.Tensor)),
+        multi_output=isinstance(out, (tuple, list)), flops_fwd=fwd, flops_bwd=bwd,
+        module_path=_module_path(node), source=_source(node),
+    )
+
+
+def _from_export_meta(val: Any) -> Any:
+    if isinstance(val, (tuple, list)):
+        return [_from_export_meta(v) for v in val]
+    if val is None:
+        raise CaptureError("an op produced no tensor metadata")
+    return torch.empty(val.shape, dtype=val.dtype, device=META)
+
+
+def _loss_name(gm: fx.GraphModule, nodes: list[Node]) -> str:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    metas = {n.name: n.outputs for n in nodes}
+    first = metas.get(getattr(values[0], "name", None)) if values else None
+    if len(values) != 1 or not first or len(first) != 1 or first[0].shape != ():
+        shape = [m.shape for m in first] if first else None
+        raise CaptureError(f"forward must return one scalar loss; it returned {len(values)} "
+                           f"value(s), the first of shape {shape}")
+    return values[0].name
+
+
+def _unsupported(nodes: list[Node]) -> list[UnsupportedOp]:
+    bad = [n for n in nodes if n.op == "call" and not is_supported(n.target)]
+    counts = Counter(n.target for n in bad)
+    return [UnsupportedOp(t, c, tuple(f"{n.module_path or '<root>'}  ({n.source})"
+                                      for n in bad if n.target == t)) for t, c in counts.items()]
+
+
+def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_ref: str = "",
+            allow_replicate_fallback: bool = False) -> ReferenceGraph:
+    """Export `model` with `example_inputs` and build its reference graph."""
+    ep = _export(model, example_inputs)
+    gm = ep.graph_module
+    strip_noops(gm)
+    decompose_cross_entropy(gm)
+    kinds = _placeholder_kinds(ep)
+    replay, nodes = _Replay(), []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            nodes.append(_placeholder(node, *kinds[node.name], replay))
+        elif node.op == "call_function":
+            nodes.append(_call(node, replay))
+    loss = _loss_name(gm, nodes)
+    report = _unsupported(nodes)
+    if report and not allow_replicate_fallback:
+        raise UnsupportedOpsError(report)
+    fallback = {r.target for r in report}
+    nodes = [n.model_copy(update={"fallback": True}) if n.target in fallback else n for n in nodes]
+    return ReferenceGraph(model_ref=model_ref, nodes=tuple(nodes), loss=loss,
+                          fallback_ops=tuple(sorted(fallback)))
+
+
+def short_op(target: str) -> str:
+    """'aten.linear.default' -> 'linear'."""
+    parts = target.split(".")
+    return parts[1] if len(parts) == 3 and parts[0] == "aten" else target
+
+
+def summarize(graph: ReferenceGraph) -> dict[str, Any]:
+    """Op counts by kind, parameters, FLOPs and fallback ops of a captured graph, as data."""
+    calls = graph.calls
+    fwd, bwd = graph.flops
+    return {
+        "model": graph.model_ref,
+        "fingerprint": graph.fingerprint,
+        "num_ops": len(calls),
+        "op_counts": dict(Counter(short_op(n.target) for n in calls).most_common()),
+        "num_params": graph.num_params,
+        "param_tensors": len(graph.params),
+        "flops_forward": fwd,
+        "flops_backward": bwd,
+        "flops_total": fwd + bwd,
+        "inputs": {n.name: list(n.out.shape) for n in graph.nodes if n.op == "input"},
+        "fallback_ops": {t: sum(1 for n in calls if n.target == t) for t in graph.fallback_ops},
+    }
