@@ -137,6 +137,15 @@ class ClusterSpec(_Frozen):
         payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
+    def node_subcluster(self, node_index: int) -> "ClusterSpec":
+        """The devices of one node as a cluster of its own."""
+        node = self.nodes[node_index]
+        return self.model_copy(update={
+            "name": f"{self.name}/{node.name}",
+            "devices": tuple(d for d in self.devices if d.name in node.devices),
+            "nodes": (node,),
+        })
+
     def first(self, num_devices: int) -> "ClusterSpec":
         """The sub-cluster of the first `num_devices` devices (in rank order)."""
         if not 1 <= num_devices <= self.num_devices:

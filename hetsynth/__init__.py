@@ -4,6 +4,8 @@ Public API (see README):
 
     graph = hetsynth.capture_model("gpt:tiny")              # reference graph
     cluster = hetsynth.load_cluster("configs/clusters/a100-t4.toml")
+    plan = hetsynth.plan("gpt:tiny", cluster=cluster)       # or plan(module, example_inputs, cluster)
+    hetsynth.save_plan(plan, "plan.json")
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from cost_models.cluster import ClusterSpec, load_cluster
 from instruction_set.graph import ReferenceGraph
+from instruction_set.plan import Plan, load_plan, save_plan
 
 __version__ = "0.1.0"
 
@@ -35,4 +38,37 @@ def capture_model(model: str | nn.Module, example_inputs: Sequence[torch.Tensor]
                    allow_replicate_fallback=allow_replicate_fallback)
 
 
-__all__ = ["ClusterSpec", "ReferenceGraph", "capture_model", "load_cluster", "__version__"]
+def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None = None,
+         cluster: ClusterSpec | str | None = None, *, batch_size: int | None = None,
+         num_devices: int | None = None, ratios: Sequence[float] | None = None,
+         allow_replicate_fallback: bool = False, progress: bool = False) -> Plan:
+    """Synthesize a Plan for a model reference or a module with its example inputs."""
+    from hetsynth.models import parse_model_ref, with_overrides
+    from planner.planner import make_plan
+
+    if cluster is None:
+        raise ValueError("plan() needs a cluster (a ClusterSpec or a spec file path)")
+    spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    if num_devices is not None:
+        spec = spec.first(num_devices)
+    if isinstance(model, str):
+        ref = parse_model_ref(model)
+        if batch_size is not None:
+            ref = with_overrides(ref, batch_size=batch_size)
+        graph_for_batch = lambda b: capture_model(with_overrides(ref, batch_size=b).ref,
+                                                  allow_replicate_fallback=allow_replicate_fallback)
+        graph = graph_for_batch(ref.batch_size)
+    else:
+        if example_inputs is None:
+            raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
+        if batch_size is not None:
+            raise ValueError("batch_size applies to model references; slice example_inputs instead")
+        inputs = tuple(example_inputs)
+        graph_for_batch = lambda b: capture_model(model, tuple(t[:b] for t in inputs),
+                                                  allow_replicate_fallback=allow_replicate_fallback)
+        graph = capture_model(model, inputs, allow_replicate_fallback=allow_replicate_fallback)
+    return make_plan(graph, spec, ratios=ratios, progress=progress, graph_for_batch=graph_for_batch)
+
+
+__all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_model", "load_cluster", "load_plan",
+           "plan", "save_plan", "__version__"]

@@ -43,6 +43,46 @@ def inspect_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_args(p: argparse.ArgumentParser) -> None:
+    """synthesize a parallel plan for a model on a cluster and write it as JSON"""
+    p.add_argument("--model", required=True, help="model reference, e.g. gpt:small")
+    p.add_argument("--cluster", required=True, help="cluster spec (.toml or .json)")
+    p.add_argument("--batch-size", type=int, help="global batch size (overrides the preset)")
+    p.add_argument("--devices", type=int, help="plan for the first N devices of the cluster")
+    p.add_argument("--ratios", help="fix the sharding ratios, e.g. 0.7,0.3 (no LP)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    p.add_argument("--allow-replicate-fallback", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
+
+
+def _parse_ratios(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--ratios {text!r}: expected comma-separated numbers like 0.7,0.3") from None
+
+
+def plan_run(args: argparse.Namespace) -> int:
+    import hetsynth
+    from hetsynth.report import instruction_mix, plan_summary_text
+
+    plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
+                         num_devices=args.devices, ratios=_parse_ratios(args.ratios),
+                         allow_replicate_fallback=args.allow_replicate_fallback, progress=True)
+    hetsynth.save_plan(plan, args.output)
+    if args.json:
+        _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
+                     "baselines": {k: v.model_dump() for k, v in plan.baselines.items()},
+                     "sharding_ratios": plan.sharding_ratios, "instruction_mix": instruction_mix(plan),
+                     "synthesis": plan.synthesis.model_dump()})
+    else:
+        print(plan_summary_text(plan))
+        print(f"\nwrote {args.output}")
+    return 0
+
+
 def demo_args(p: argparse.ArgumentParser) -> None:
     """the README demo: capture a zoo model for the local emulated cluster"""
     p.add_argument("--model", default="gpt:small-cpu")
@@ -57,5 +97,6 @@ def demo_run(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "inspect": (inspect_args, inspect_run),
+    "plan": (plan_args, plan_run),
     "demo": (demo_args, demo_run),
 }

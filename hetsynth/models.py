@@ -178,6 +178,7 @@ def parse_model_ref(ref: str) -> ModelSpec:
 
 
 def with_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
-    """The same reference with extra overrides appended (for example batch_size)."""
-    extra = ",".join(f"{k}={v}" for k, v in overrides.items())
-    return parse_model_ref(f"{spec.ref},{extra}" if extra else spec.ref)
+    """The same reference with some overrides set or replaced (for example batch_size)."""
+    head, _, tail = spec.ref.partition(",")
+    merged = _parse_overrides(tail) | {k: str(v) for k, v in overrides.items()}
+    return parse_model_ref(",".join([head] + [f"{k}={v}" for k, v in merged.items()]))

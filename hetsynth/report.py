@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from cost_models.cluster import ClusterSpec
+from instruction_set.plan import Plan
 
 
 def si(value: float, unit: str = "") -> str:
@@ -77,3 +78,58 @@ def cluster_summary_text(summary: dict[str, Any]) -> str:
         f"{links['intra_node_latency_us']:g} us; inter-node {links['inter_node_bandwidth_gbps']:g} "
         f"Gbit/s, {links['inter_node_latency_us']:g} us",
     ])
+
+
+def plan_summary_text(plan: Plan) -> str:
+    """What `hetsynth plan` prints: prediction, speed-ups, ratios, instruction mix, search."""
+    p, s = plan.predicted, plan.synthesis
+    mem = max(d.memory_gib for d in p.devices)
+    cap = min(d.memory_capacity_gib for d in p.devices)
+    lines = [
+        f"model        {plan.model.ref}  ({plan.model.num_params:,} parameters, batch {plan.model.batch_size})",
+        f"cluster      {plan.cluster.name}  ({plan.cluster.num_devices} devices)",
+        f"predicted    {p.step_time_s * 1e3:.2f} ms/step (compute {p.compute_s * 1e3:.2f} ms, "
+        f"communication {p.communication_s * 1e3:.2f} ms); peak memory {mem:.2f} GiB "
+        f"({'fits' if p.fits else 'DOES NOT FIT'}, smallest device {cap:g} GiB)",
+        "",
+        table([[name, f"{b.step_time_s * 1e3:.2f} ms", f"{b.step_time_s / p.step_time_s:.2f}x",
+                "yes" if b.fits else "no", b.note] for name, b in plan.baselines.items()],
+              ["baseline", "step time", "hetsynth speed-up", "fits", "note"]),
+        "",
+        table(_ratio_rows(plan), ["device kind", "devices", "ratio each", "share", "zero-length"]),
+        "",
+        table([[k, v] for k, v in instruction_mix(plan).items()], ["instruction", "count"]),
+        "",
+        f"synthesis    {s.seconds:.2f} s ({s.search_seconds:.2f} s search, {s.lp_seconds:.3f} s LP), "
+        f"{s.states_expanded:,} states expanded, {s.rounds} round(s), "
+        f"{'exact' if s.exact else 'width-bounded'}",
+    ]
+    return "\n".join(lines)
+
+
+def _ratio_rows(plan: Plan) -> list[list[Any]]:
+    rows: dict[str, list[float]] = {}
+    for device, ratio in zip(plan.cluster.devices, plan.sharding_ratios):
+        rows.setdefault(device.kind, []).append(ratio)
+    out = []
+    for kind, ratios in rows.items():
+        each = f"{min(ratios):.4f}" if max(ratios) - min(ratios) < 1e-4 else f"{min(ratios):.4f}-{max(ratios):.4f}"
+        out.append([kind, len(ratios), each, f"{sum(ratios):.3f}", sum(1 for r in ratios if r < 1e-9)])
+    return out
+
+
+def instruction_mix(plan: Plan) -> dict[str, int]:
+    mix: Counter = Counter()
+    for ins in plan.instructions:
+        if ins.kind in ("input", "buffer"):
+            continue
+        label = ins.kind
+        if ins.kind == "compute":
+            sharded = any(l != "R" for l in (*ins.inputs, ins.layout))
+            label = "compute (sharded)" if sharded else "compute (replicated)"
+        elif ins.variant and ins.variant != "local":
+            label += f" [{ins.variant}]"
+        if ins.phase == "backward":
+            label += " (backward)"
+        mix[label] += 1
+    return dict(mix.most_common())

@@ -75,7 +75,10 @@ class Block(nn.Module):
 
 
 def init_gpt_style(module: nn.Module, std: float = 0.02) -> None:
-    """GPT-2 initialisation: normal(0, std) weights, zero biases, unit LayerNorm."""
+    """GPT-2 initialisation: normal(0, std) weights, zero biases, unit LayerNorm.
+    Skipped on the meta device, where there are no values to initialise."""
+    if any(p.is_meta for p in module.parameters()):
+        return
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=std)

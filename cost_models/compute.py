@@ -1,0 +1,59 @@
+"""Compute cost of one op of the reference graph on each device.
+
+    time_i = launches * kernel_launch_us + max(flops / throughput_flops_i,
+                                              bytes / memory_bandwidth_i)
+
+for the forward and backward passes together: `flops` from FlopCounterMode (forward +
+backward), `bytes` the op's inputs and outputs, read and written once forward and about
+twice backward when a gradient flows (a roofline estimate: Williams et al., CACM 2009).
+A sharded op does `share_i` of that work on device i; replicated work is done in full by every
+device, the slow ones too. Pure views (view, transpose, expand, ...) launch nothing and are free.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from cost_models.cluster import DeviceKind
+from cost_models.linear_cost import LinearCost
+from instruction_set.graph import Node, TensorMeta
+
+FREE_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.transpose.int", "aten.permute.default",
+    "aten.t.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+    "aten.squeeze.default", "aten.expand.default", "aten.select.int", "aten.slice.Tensor",
+    "aten.split.Tensor", "aten.split_with_sizes.default", "getitem", "aten.alias.default",
+    "aten.detach.default",
+})
+
+
+def op_bytes(node: Node, in_metas: Sequence[TensorMeta]) -> float:
+    """Bytes moved by the op, forward plus (when a gradient flows) backward."""
+    moved = sum(m.nbytes for m in in_metas) + node.out_bytes
+    return moved * (3.0 if any(o.requires_grad for o in node.outputs) else 1.0)
+
+
+def launches(node: Node) -> int:
+    return 1 + (2 if any(o.requires_grad for o in node.outputs) else 0)
+
+
+def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,
+                 kinds: Sequence[DeviceKind]) -> LinearCost:
+    """LinearCost of the op: per device, work scales with the share when `sharded`."""
+    n = len(kinds)
+    if node.target in FREE_OPS:
+        return LinearCost.zero(n)
+    flops = node.flops_fwd + node.flops_bwd
+    moved = op_bytes(node, in_metas)
+    work = [max(flops / k.throughput_flops, moved / (k.memory_bandwidth_gbyte_s * 1e9)) for k in kinds]
+    fixed = [launches(node) * k.kernel_launch_us * 1e-6 for k in kinds]
+    if sharded:
+        return LinearCost(tuple(fixed), tuple(work))
+    return LinearCost(tuple(f + w for f, w in zip(fixed, work)), (0.0,) * n)
+
+
+def flops_cost(flops: float, kinds: Sequence[DeviceKind], sharded: bool) -> LinearCost:
+    """Pure matmul work (used for sufficient-factor rebuilds)."""
+    work = tuple(flops / k.throughput_flops for k in kinds)
+    zeros = (0.0,) * len(kinds)
+    return LinearCost(zeros, work) if sharded else LinearCost(work, zeros)

@@ -1,0 +1,110 @@
+"""Uneven shard lengths, derived once for every tensor dim.
+
+Sharding rules link tensor dims: `add(x S0, y S0) -> S0` links dim 0 of x, y and the output;
+`view [B, S, H] S0 -> [B*S, H] S0` links B to B*S with lengths scaled by S. All linked dims
+form a *dim class*. Along any chain of links the scale factor is a ratio of dim sizes, so the
+lengths of every member follow from one root:
+
+    len(member, rank i) = len(root, i) * size(member) / size(root)
+
+The root is the smallest member. For every member length to be an integer, root lengths are
+multiples of the class unit `u = lcm_m(size_root / gcd(size_root, size_m))`, and
+
+    len(root, .) = u * largest_remainder(ratios, size_root / u)
+
+(largest-remainder rounding: floor every `ratio_i * n`, then give the leftover units to the
+largest fractional parts, ties to the lower rank). Zero-length shards are legal.
+Every consumer of shard lengths (cost model, plan, codegen) calls `DimClasses.lengths`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+DimKey = tuple[str, int]  # (tensor name, dim)
+
+
+def largest_remainder(ratios: Sequence[float], total: int) -> list[int]:
+    """Integers proportional to `ratios` summing to `total` (Hamilton's method)."""
+    if total < 0:
+        raise ValueError(f"cannot split {total} units")
+    weight = sum(ratios)
+    if weight <= 0 or any(r < 0 for r in ratios):
+        raise ValueError(f"ratios must be >= 0 with a positive sum, got {list(ratios)}")
+    exact = [r / weight * total for r in ratios]
+    out = [math.floor(x + 1e-9) for x in exact]
+    leftover = total - sum(out)
+    order = sorted(range(len(ratios)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[:max(leftover, 0)]:
+        out[i] += 1
+    return out
+
+
+@dataclass
+class _UnionFind:
+    parent: dict[DimKey, DimKey] = field(default_factory=dict)
+
+    def find(self, x: DimKey) -> DimKey:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: DimKey, b: DimKey) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+@dataclass(frozen=True)
+class DimClass:
+    root_size: int
+    unit: int
+    members: tuple[DimKey, ...]
+
+    def root_lengths(self, ratios: Sequence[float]) -> list[int]:
+        return [self.unit * n for n in largest_remainder(ratios, self.root_size // self.unit)]
+
+
+class DimClasses:
+    """Classes of linked tensor dims and their shard lengths."""
+
+    def __init__(self, sizes: dict[DimKey, int], links: Iterable[tuple[DimKey, DimKey]]) -> None:
+        uf = _UnionFind()
+        for key in sizes:
+            uf.find(key)
+        for a, b in links:
+            uf.union(a, b)
+        groups: dict[DimKey, list[DimKey]] = {}
+        for key in sizes:
+            groups.setdefault(uf.find(key), []).append(key)
+        self.sizes = sizes
+        self.class_of: dict[DimKey, int] = {}
+        self.classes: list[DimClass] = []
+        for members in groups.values():
+            root = min(sizes[m] for m in members)
+            unit = math.lcm(*(root // math.gcd(root, sizes[m]) for m in members))
+            for m in members:
+                self.class_of[m] = len(self.classes)
+            self.classes.append(DimClass(root, unit, tuple(members)))
+
+    def lengths(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[int]:
+        """Per-rank lengths of `tensor` sharded on `dim` under `ratios`."""
+        key = (tensor, dim)
+        cls = self.classes[self.class_of[key]]
+        scale = self.sizes[key] // cls.root_size if self.sizes[key] % cls.root_size == 0 else None
+        roots = cls.root_lengths(ratios)
+        if scale is not None:
+            return [n * scale for n in roots]
+        return [n * self.sizes[key] // cls.root_size for n in roots]
+
+    def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[float]:
+        """Fraction of the dim held by each rank."""
+        size = self.sizes[(tensor, dim)]
+        return [n / size for n in self.lengths(tensor, dim, ratios)]
+
+    def class_id(self, tensor: str, dim: int) -> int:
+        return self.class_of[(tensor, dim)]

@@ -1,0 +1,231 @@
+"""Plan synthesis: alternate the A* search and the sharding-ratio LP (HAP, section 5).
+
+    ratios <- throughput-proportional
+    repeat (at most `max_rounds`):
+        program <- A* at ratios                         (planner.synthesis)
+        ratios' <- LP for program                       (planner.ratios)
+        evaluate program at ratios' rounded to shard lengths
+        stop when the predicted step time improves by less than 0.1%
+        ratios <- ratios'
+
+Each search is seeded with the data-parallel program at the same ratios (found by the same
+search restricted to replicated parameters and batch-split inputs) as its incumbent: a
+point of the search space that prunes by branch and bound and is returned when the bounded
+search finds nothing cheaper. The best (program, ratios) pair evaluated wins. When the LP finds no ratios that fit the
+program in memory, the search is repeated with a memory penalty (seconds per byte, escalated
+x4 per attempt) on replicated parameters and activations, which steers it to sharded
+storage; if no attempt fits, `PlanInfeasible` names the device that is short of memory, by
+how many GiB, for the best plan found.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from cost_models.cluster import ClusterSpec
+from cost_models.memory import GIB
+from instruction_set.graph import ReferenceGraph
+from instruction_set.layouts import is_shard, shard_dim
+from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
+from instruction_set.program import COLLECTIVES, Instruction
+from planner import baselines
+from planner.evaluate import instruction_term, predict, program_terms, shares_of
+from planner.problem import Problem, Restrictions
+from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
+
+MEMORY_ATTEMPTS = 6
+
+# The incumbent of every search: data parallelism (any all-reduce variant, SFB allowed).
+DP_SEED = Restrictions(param_layouts=("R",), input_layout="S0")
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits the cluster's memory."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ratios: tuple[float, ...]
+    program: tuple[Instruction, ...]
+    prediction: Prediction
+
+    def better_than(self, other: "Candidate | None") -> bool:
+        if other is None:
+            return True
+        if self.prediction.fits != other.prediction.fits:
+            return self.prediction.fits
+        if not self.prediction.fits:
+            return _overflow(self) < _overflow(other)
+        return self.prediction.step_time_s < other.prediction.step_time_s
+
+
+def _overflow(c: Candidate) -> float:
+    return max(d.memory_gib - d.memory_capacity_gib for d in c.prediction.devices)
+
+
+@dataclass
+class _Stats:
+    search_s: float = 0.0
+    lp_s: float = 0.0
+    expanded: int = 0
+    rounds: int = 0
+    exact: bool = True
+
+
+def _evaluate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float],
+              program: Sequence[Instruction]) -> Candidate:
+    pb = Problem(graph, cluster, ratios)
+    return Candidate(tuple(ratios), tuple(program), predict(pb, program_terms(pb, program)))
+
+
+def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
+               fixed: bool, width: int, progress: bool, memory_weight: float, stats: _Stats,
+               max_rounds: int) -> Candidate:
+    best: Candidate | None = None
+    for _ in range(max_rounds):
+        stats.rounds += 1
+        result = _best_program(graph, cluster, ratios, memory_weight, width, progress, stats)
+        current = _evaluate(graph, cluster, ratios, result.instructions)
+        best = current if current.better_than(best) else best
+        if fixed:
+            break
+        terms = program_terms(Problem(graph, cluster, ratios), result.instructions)
+        try:
+            solution = solve_ratios(terms, cluster.memories_gib())
+        except MemoryInfeasible:
+            break
+        stats.lp_s += solution.seconds
+        moved = _evaluate(graph, cluster, solution.ratios, result.instructions)
+        improved = moved.prediction.step_time_s < best.prediction.step_time_s * (1 - 1e-3)
+        best = moved if moved.better_than(best) else best
+        if not improved:
+            break
+        ratios = solution.ratios
+    assert best is not None
+    return best
+
+
+def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
+                  memory_weight: float, width: int, progress: bool, stats: _Stats) -> SearchResult:
+    """A* seeded with the data-parallel program as incumbent; the cheaper of the two."""
+    seed = synthesize(Problem(graph, cluster, ratios, DP_SEED, memory_weight), width=width, progress=False)
+    pb = Problem(graph, cluster, ratios, memory_weight=memory_weight)
+    found = synthesize(pb, width=width, progress=progress, incumbent=seed.cost_s)
+    for r in (seed, found):
+        if r is not None:
+            stats.search_s += r.seconds
+            stats.expanded += r.states_expanded
+            stats.exact &= r.exact
+    return found if found is not None else seed
+
+
+def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
+                width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6
+                ) -> tuple[Candidate, _Stats]:
+    """The best program and ratios (raises PlanInfeasible when nothing fits in memory)."""
+    fixed = ratios is not None
+    start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
+    stats, weight, best = _Stats(), 0.0, None
+    for attempt in range(MEMORY_ATTEMPTS):
+        candidate = _alternate(graph, cluster, start, fixed, width, progress, weight, stats, max_rounds)
+        best = candidate if candidate.better_than(best) else best
+        if best.prediction.fits:
+            return best, stats
+        weight = _next_weight(weight, candidate)
+    raise PlanInfeasible(_shortfall_message(graph, cluster, best))
+
+
+def _next_weight(weight: float, candidate: Candidate) -> float:
+    """Seconds per byte: first so that the largest memory costs about one step time."""
+    if weight == 0.0:
+        peak = max(d.memory_gib for d in candidate.prediction.devices) * GIB
+        return candidate.prediction.step_time_s / max(peak, 1.0)
+    return weight * 4.0
+
+
+def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate) -> str:
+    pb = Problem(graph, cluster, best.ratios)
+    ratios, over = least_memory_overflow(program_terms(pb, best.program), [k.memory_gib for k in pb.kinds])
+    worst = max(range(len(over)), key=lambda i: over[i])
+    device = cluster.devices[worst]
+    cap = cluster.device_kind(worst).memory_gib
+    return (f"no plan fits in memory: the best plan found needs {cap + over[worst]:.2f} GiB on device "
+            f"{device.name!r} ({device.kind}, {cap:g} GiB), short by {over[worst]:.2f} GiB even with "
+            f"memory-optimal ratios; use devices with more memory, a smaller batch or a smaller model")
+
+
+def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ...]:
+    if len(ratios) != cluster.num_devices:
+        raise ValueError(f"{len(ratios)} ratios given for {cluster.num_devices} devices "
+                         f"({', '.join(d.name for d in cluster.devices)})")
+    if any(r < 0 for r in ratios) or sum(ratios) <= 0:
+        raise ValueError(f"ratios must be >= 0 with a positive sum, got {list(ratios)}")
+    return tuple(r / sum(ratios) for r in ratios)
+
+
+def finalize(pb: Problem, program: Sequence[Instruction]) -> tuple[Instruction, ...]:
+    """Instructions with predicted seconds (and variant alternatives) at the final ratios."""
+    x_layouts = {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
+    out = []
+    for ins in program:
+        term = instruction_term(pb, ins, x_layouts)
+        update: dict = {"predicted_s": term.time.at(shares_of(pb, term.share_key)) if term else 0.0}
+        if ins.kind in COLLECTIVES and ins.phase == "forward":
+            update["alternatives"] = dict(pb.collective(ins.tensor, ins.kind, ins.src, ins.layout).alternatives)
+        out.append(ins.model_copy(update=update))
+    return tuple(out)
+
+
+def shard_table(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Per-rank lengths of every sharded layout the program uses, derived once."""
+    table: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def add(tensor: str, layout: str) -> None:
+        if is_shard(layout):
+            lengths = pb.classes.lengths(tensor, shard_dim(layout), pb.ratios)
+            table.setdefault(tensor, {})[layout] = tuple(lengths)
+
+    for ins in program:
+        add(ins.tensor, ins.layout)
+        if ins.src:
+            add(ins.tensor, ins.src)
+        if ins.kind == "compute":
+            for t, layout in zip(pb.graph.node(ins.node).inputs, ins.inputs):
+                add(t, layout)
+    return table
+
+
+def model_info(graph: ReferenceGraph) -> ModelInfo:
+    inputs = [n for n in graph.nodes if n.op == "input"]
+    floats = [n.out.dtype for n in graph.params if n.out.is_float]
+    return ModelInfo(ref=graph.model_ref, fingerprint=graph.fingerprint, num_params=graph.num_params,
+                     batch_size=inputs[0].out.shape[0] if inputs and inputs[0].out.shape else 1,
+                     dtype=floats[0] if floats else "float32")
+
+
+def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
+              width: int = DEFAULT_WIDTH, progress: bool = True,
+              graph_for_batch: Callable[[int], ReferenceGraph] | None = None) -> Plan:
+    """Synthesize the plan for `graph` on `cluster`, with its baselines."""
+    start = time.perf_counter()
+    best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress)
+    pb = Problem(graph, cluster, best.ratios)
+    results = {
+        "dp_ev": baselines.data_parallel(graph, cluster, baselines.even(cluster), width=width),
+        "dp_cp": baselines.data_parallel(graph, cluster, baselines.proportional(cluster), width=width),
+    }
+    if graph_for_batch is not None:
+        results["megatron"] = baselines.megatron(graph_for_batch, model_info(graph).batch_size,
+                                                 cluster, width=width)
+    return Plan(
+        model=model_info(graph), cluster=cluster, graph=graph, sharding_ratios=best.ratios,
+        shards=shard_table(pb, best.program), instructions=finalize(pb, best.program),
+        predicted=best.prediction, baselines=results,
+        synthesis=SynthesisStats(seconds=time.perf_counter() - start, search_seconds=stats.search_s,
+                                 lp_seconds=stats.lp_s, states_expanded=stats.expanded,
+                                 rounds=stats.rounds, heuristic="compute suffix + pending conversions",
+                                 exact=stats.exact),
+    )

@@ -1,0 +1,144 @@
+"""The sharding-ratio LP (HAP, EuroSys'24, section 5), for a fixed program.
+
+Variables
+    r_i in [0, 1]     share of device i in every sharded dim (one ratio vector)
+    t_j >= 0          epigraph of instruction group j (instructions with equal cost forms)
+
+Every instruction's time is `max_i (a_ji + b_ji r_i)` (cost_models.linear_cost); identical
+(a, b) forms (the same op in every layer) form one group j with multiplicity m_j, and forms
+with b = 0 are constants K. The LP is
+
+    minimise    sum_j m_j t_j + K
+    subject to  sum_i r_i = 1                                              (simplex)
+                t_j >= a_ji + b_ji r_i          for all compute groups j, devices i
+                t_j >= a_ji + b_ji r_i          for all communication groups j, devices i
+                sum_p f_pi + g_pi r_i <= capacity_i   for all devices i     (memory)
+
+with the memory forms f + g r of parameters, gradients, optimizer state and activations
+(cost_models.memory). Its optimum equals the program's predicted step time minimised over
+continuous ratios; the planner rounds the ratios to shard lengths afterwards. Solved with
+PuLP: HiGHS in-process by default (no temporary files), CBC as the fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import pulp
+
+from cost_models.memory import GIB
+from planner.evaluate import Term
+
+Form = tuple[tuple[float, ...], tuple[float, ...]]
+
+
+class MemoryInfeasible(ValueError):
+    """No ratios fit the program in memory."""
+
+
+@dataclass(frozen=True)
+class RatioSolution:
+    ratios: tuple[float, ...]
+    objective_s: float
+    seconds: float
+    solver: str
+
+
+def _solver() -> tuple[pulp.LpSolver, str]:
+    highs = pulp.HiGHS(msg=False)
+    if highs.available():
+        return highs, "HiGHS"
+    return pulp.PULP_CBC_CMD(msg=False), "CBC"
+
+
+def group_forms(terms: Sequence[Term], compute: bool) -> tuple[Counter, float]:
+    """Group share-dependent forms of one kind by (a, b); sum the constant ones."""
+    forms: Counter = Counter()
+    constant = 0.0
+    for t in terms:
+        if t.is_compute != compute:
+            continue
+        if t.share_key is None or t.time.is_constant:
+            constant += t.time.at((1.0,) * len(t.time.a))
+        else:
+            forms[(t.time.a, t.time.b)] += 1
+    return forms, constant
+
+
+def add_simplex(prob: pulp.LpProblem, r: list[pulp.LpVariable]) -> None:
+    prob += pulp.lpSum(r) == 1, "simplex"
+
+
+def add_epigraphs(prob: pulp.LpProblem, r: list[pulp.LpVariable], forms: Counter,
+                  name: str) -> pulp.LpAffineExpression:
+    """One epigraph variable per form; returns the weighted sum for the objective."""
+    objective = []
+    for j, ((a, b), count) in enumerate(forms.items()):
+        t = prob.add_variable(f"{name}_{j}", lowBound=0)
+        for i, (ai, bi) in enumerate(zip(a, b)):
+            prob += t >= ai + bi * r[i], f"{name}_{j}_dev{i}"
+        objective.append(count * t)
+    return pulp.lpSum(objective)
+
+
+def memory_forms(terms: Sequence[Term], n: int) -> tuple[list[float], list[float]]:
+    """Per device: fixed bytes and bytes per unit share."""
+    fixed, per_share = [0.0] * n, [0.0] * n
+    for t in terms:
+        if t.memory is None:
+            continue
+        for i in range(n):
+            fixed[i] += t.memory.fixed[i]
+            per_share[i] += t.memory.per_share[i]
+    return fixed, per_share
+
+
+def add_memory(prob: pulp.LpProblem, r: list[pulp.LpVariable], terms: Sequence[Term],
+               capacities_gib: Sequence[float]) -> None:
+    fixed, per_share = memory_forms(terms, len(r))
+    for i, cap in enumerate(capacities_gib):
+        prob += fixed[i] + per_share[i] * r[i] <= cap * GIB, f"memory_dev{i}"
+
+
+def solve_ratios(terms: Sequence[Term], capacities_gib: Sequence[float], *,
+                 min_ratio: float = 0.0) -> RatioSolution:
+    """Optimal ratios for the program whose terms are given (raises MemoryInfeasible)."""
+    start = time.perf_counter()
+    n = len(capacities_gib)
+    prob = pulp.LpProblem("sharding_ratios", pulp.LpMinimize)
+    r = [prob.add_variable(f"r_{i}", lowBound=min_ratio, upBound=1) for i in range(n)]
+    compute_forms, compute_const = group_forms(terms, compute=True)
+    comm_forms, comm_const = group_forms(terms, compute=False)
+    add_simplex(prob, r)
+    objective = add_epigraphs(prob, r, compute_forms, "compute") + add_epigraphs(prob, r, comm_forms, "comm")
+    prob += objective + compute_const + comm_const
+    add_memory(prob, r, terms, capacities_gib)
+    solver, name = _solver()
+    prob.solve(solver)
+    status = pulp.LpStatus[prob.status]
+    if status != "Optimal":
+        raise MemoryInfeasible(f"sharding-ratio LP is {status.lower()}")
+    ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
+    total = sum(ratios)
+    return RatioSolution(tuple(x / total for x in ratios), float(pulp.value(prob.objective)),
+                         time.perf_counter() - start, name)
+
+
+def least_memory_overflow(terms: Sequence[Term], capacities_gib: Sequence[float]) -> tuple[tuple[float, ...], list[float]]:
+    """Ratios minimising the largest memory overflow, and each device's overflow in GiB."""
+    n = len(capacities_gib)
+    prob = pulp.LpProblem("memory_overflow", pulp.LpMinimize)
+    r = [prob.add_variable(f"r_{i}", lowBound=0, upBound=1) for i in range(n)]
+    z = prob.add_variable("z")
+    add_simplex(prob, r)
+    fixed, per_share = memory_forms(terms, n)
+    for i, cap in enumerate(capacities_gib):
+        prob += (fixed[i] + per_share[i] * r[i]) / GIB - cap <= z, f"overflow_dev{i}"
+    prob += z
+    prob.solve(_solver()[0])
+    ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
+    over = [(fixed[i] + per_share[i] * ratios[i]) / GIB - cap for i, cap in enumerate(capacities_gib)]
+    return ratios, over

@@ -1,0 +1,306 @@
+"""A* synthesis of a distributed program (after HAP, EuroSys'24, with a better search).
+
+Problem. Given the reference graph's call nodes v_0 .. v_{N-1} in topological order, find
+the cheapest sequence of instructions that computes every node (each under one sharding
+rule) and makes every rule's inputs available in the layouts it needs. Cost is the predicted
+seconds of one training step (forward and backward) at fixed sharding ratios
+(cost_models); the sharding-ratio LP (planner.ratios) then re-optimises the ratios for the
+program found, and the two alternate (planner.planner).
+
+State. `(k, F)`: nodes v_0 .. v_{k-1} are computed and F is the set of layout facts
+`(tensor, layout)` held for *live* tensors, those with a consumer at index >= k (or the
+loss). HAP keeps every fact ever derived, so no two paths meet and its search time grows
+quadratically with depth; dropping dead tensors makes paths that reach the same frontier
+merge into one state. F is a bitset over the facts seen so far, so union, masking and
+hashing are integer operations.
+
+Transitions. From `(k, F)`, for each rule of v_k: make each input available (free when in F;
+else the first storage of a graph input, or the cheapest conversion, planner.transitions),
+add the output fact, drop facts of tensors whose last consumer is v_k. Transition cost =
+compute cost of v_k under the rule + storage, gradient-sync and conversion costs.
+
+Goal. `k = N`; the loss is then P or R (R -> P is a free local instruction).
+
+Heuristic. h(k, F) = C(k) + max(sum_t D(t, F_t), max_t E(t, F_t)) over live tensors t:
+  C(k)      = sum_{j >= k} min_rule compute(v_j, rule)  (suffix sums in topological order)
+  D(t, F_t) = max over t's remaining consumers c of min over c's rules r of the cheapest
+              conversion of t from a layout in F_t to the layout r needs (0 if held)
+  E(t, F_t) = max over t's remaining consumers c of min over c's rules r of
+              [ conversion of t to r's layout + extra(c, r) + E(c, {r's output layout}) ]
+              with extra(c, r) = compute(c, r) - min_r' compute(c, r'), computed once by a
+              backward pass over the graph (planner.bounds)
+Every remaining node is computed under some rule (>= C(k)). Whatever rules are chosen, the
+consumer attaining the max in D must get t in its rule's layout (>= D); conversions of
+different tensors are different instructions, so the D's add up. E follows one chain of
+consumers from t: along it every node pays at least its extra compute above the minimum
+counted in C, and every conversion on the chain is paid; chains of different tensors may
+share nodes, so only the largest E counts. Every cost is >= 0, so h never overestimates
+(admissible). It is not consistent, so a state whose cost improves is re-opened. HAP uses
+h = 0 (uniform-cost search). D and E rank dead-end layouts last: a weight sharded so that a
+later consumer must all-gather it, or produce a huge Partial output, is charged now.
+
+Bounded width. Paths through independent branches (q, k and v projections) multiply the
+states of one depth. At most `width` states are expanded per depth and *stratum*, in order
+of f = g + h; a stratum is the set of facts a state holds about long-lived tensors (those
+read again more than `HORIZON` nodes later, such as a tied embedding), so that a choice
+whose price comes much later (store the embedding sharded now, all-gather it at the output
+layer) cannot crowd out the alternatives. `SearchResult.exact` is False when a state was
+left unexpanded for this reason. The number of expansions grows linearly with depth.
+
+Incumbent. The caller may pass the cost of a known program (the data-parallel program, a
+point of the same space); states with f >= that cost are pruned (branch and bound, exact
+since h is admissible), and when nothing cheaper is found the search says so.
+
+Repeated blocks. Transitions depend only on the facts of the node's inputs, so they are
+memoised by (k, those facts); node costs and conversion costs are memoised in Problem.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import sys
+import time
+from dataclasses import dataclass
+
+from instruction_set.layouts import P, R, Layout
+from instruction_set.program import Instruction
+from planner.bounds import ChainBound
+from planner.problem import Problem
+from planner.transitions import Fact, Move, moves
+
+DEFAULT_WIDTH = 32
+HORIZON = 40  # nodes; facts of tensors read again later than this define a state's stratum
+
+
+class SearchError(RuntimeError):
+    """No program exists (cannot happen while every op keeps its all-R rule)."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    instructions: tuple[Instruction, ...]
+    cost_s: float
+    states_expanded: int
+    seconds: float
+    exact: bool
+
+
+def compute_suffix(pb: Problem) -> list[float]:
+    """C[k]: suffix sums of each node's cheapest compute cost; C[N] = 0."""
+    mins = [min(pb.compute_s(node, ri) for ri in range(len(pb.rules[node.name]))) for node in pb.order]
+    c = [0.0] * (len(mins) + 1)
+    for k in range(len(mins) - 1, -1, -1):
+        c[k] = c[k + 1] + mins[k]
+    return c
+
+
+class _Facts:
+    """Bit numbering of layout facts, per-tensor masks and liveness masks."""
+
+    def __init__(self, pb: Problem) -> None:
+        self.bit: dict[Fact, int] = {}
+        self.facts: list[Fact] = []
+        self.tensor_mask: dict[str, int] = {}
+        self.dead_after: list[tuple[str, ...]] = [() for _ in pb.order]
+        dead: list[list[str]] = [[] for _ in pb.order]
+        for tensor, k in pb.last_use.items():
+            if k < len(pb.order):
+                dead[k].append(tensor)
+        for k, node in enumerate(pb.order):
+            if node.name not in pb.last_use:
+                dead[k].append(node.name)  # computed but never read
+        self.dead_after = [tuple(d) for d in dead]
+
+    def encode(self, facts: frozenset[Fact]) -> int:
+        mask = 0
+        for f in facts:
+            b = self.bit.get(f)
+            if b is None:
+                b = self.bit[f] = len(self.facts)
+                self.facts.append(f)
+                self.tensor_mask[f[0]] = self.tensor_mask.get(f[0], 0) | (1 << b)
+            mask |= 1 << b
+        return mask
+
+    def decode(self, mask: int) -> frozenset[Fact]:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.facts[low.bit_length() - 1])
+            mask ^= low
+        return frozenset(out)
+
+    def mask_of(self, tensors) -> int:
+        m = 0
+        for t in tensors:
+            m |= self.tensor_mask.get(t, 0)
+        return m
+
+
+class _Pending:
+    """D(t, F_t) of the heuristic, memoised per (t, held layouts, depth)."""
+
+    def __init__(self, pb: Problem) -> None:
+        self.pb = pb
+        self.consumers: dict[str, list[int]] = {}
+        for k, node in enumerate(pb.order):
+            for t in set(node.inputs):
+                self.consumers.setdefault(t, []).append(k)
+        self.memo: dict[tuple[str, frozenset[Layout], int], float] = {}
+
+    def bound(self, tensor: str, held: frozenset[Layout], k: int) -> float:
+        users = self.consumers.get(tensor, ())
+        first = bisect.bisect_left(users, k)
+        key = (tensor, held, -1 - first)
+        if key not in self.memo:
+            self.memo[key] = max((self._consumer(tensor, held, j) for j in users[first:]), default=0.0)
+        return self.memo[key]
+
+    def _consumer(self, tensor: str, held: frozenset[Layout], j: int) -> float:
+        key = (tensor, held, j)
+        if key not in self.memo:
+            self.memo[key] = self._consumer_bound(tensor, held, j)
+        return self.memo[key]
+
+    def _consumer_bound(self, tensor: str, held: frozenset[Layout], j: int) -> float:
+        node = self.pb.order[j]
+        best = float("inf")
+        for rule in self.pb.rules[node.name]:
+            need = 0.0
+            for t, want in zip(node.inputs, rule.inputs):
+                if t == tensor and want not in held:
+                    paths = [self.pb.conversion(t, h, want) for h in held]
+                    costs = [sum(s.cost_s for s in p) for p in paths if p is not None]
+                    need = max(need, min(costs, default=float("inf")))
+            best = min(best, need)
+        return best if best != float("inf") else 0.0
+
+
+class _Progress:
+    """A line on stderr about once a second for searches longer than a second."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+        self.start = self.last = time.perf_counter()
+
+    def tick(self, expanded: int, k: int, f: float) -> None:
+        now = time.perf_counter()
+        if self.enabled and now - self.start > 1.0 and now - self.last > 1.0:
+            self.last = now
+            print(f"  synthesis: {expanded:,} states expanded, node {k}/{self.total}, "
+                  f"best bound {f * 1e3:.3f} ms", file=sys.stderr, flush=True)
+
+
+class _Search:
+    def __init__(self, pb: Problem, width: int, progress: bool, incumbent: float) -> None:
+        self.pb, self.width, self.incumbent = pb, width, incumbent
+        self.n = len(pb.order)
+        self.C = compute_suffix(pb)
+        self.F = _Facts(pb)
+        self.pending = _Pending(pb)
+        self.chains = ChainBound(pb)
+        self.memo: dict[tuple[int, int], list[tuple[Move, int]]] = {}
+        self.report = _Progress(progress, self.n)
+        self.expanded_at: dict[tuple[int, int], int] = {}
+        self.long_lived = self._long_lived()
+        self.h_memo: dict[tuple[int, int], float] = {}
+        self.exact = True
+
+    def h(self, k: int, mask: int) -> float:
+        held: dict[str, set[Layout]] = {}
+        for t, layout in self.F.decode(mask):
+            held.setdefault(t, set()).add(layout)
+        conversions = sum(self.pending.bound(t, frozenset(ls), k) for t, ls in held.items())
+        chains = max((self.chains.bound(t, frozenset(ls), k) for t, ls in held.items()), default=0.0)
+        return self.C[k] + max(conversions, chains)
+
+    def f_bound(self, k: int, mask: int, g: float) -> float:
+        key = (k, mask)
+        h = self.h_memo.get(key)
+        if h is None:
+            h = self.h_memo[key] = self.h(k, mask)
+        return g + h
+
+    def successors(self, k: int, mask: int) -> list[tuple[Move, int]]:
+        node = self.pb.order[k]
+        key = (k, mask & self.F.mask_of(node.inputs))
+        if key not in self.memo:
+            self.memo[key] = [(m, self.F.encode(m.added)) for m in moves(self.pb, k, self.F.decode(key[1]))]
+        return self.memo[key]
+
+    def _long_lived(self) -> list[tuple[str, ...]]:
+        """Per depth k: tensors live at k whose next read is more than HORIZON nodes away."""
+        reads: dict[str, list[int]] = {}
+        for j, node in enumerate(self.pb.order):
+            for t in node.inputs:
+                reads.setdefault(t, []).append(j)
+        out = []
+        for k in range(self.n + 1):
+            out.append(tuple(t for t, js in reads.items()
+                             if js[0] < k <= js[-1] and _next_read(js, k) > k + HORIZON))
+        return out
+
+    def stratum(self, k: int, mask: int) -> int:
+        return mask & self.F.mask_of(self.long_lived[k])
+
+    def run(self) -> tuple[int, dict, dict]:
+        start = (0, 0)
+        g: dict[tuple[int, int], float] = {start: 0.0}
+        parent: dict[tuple[int, int], tuple | None] = {start: None}
+        counter = itertools.count()
+        heap = [(self.h(0, 0), next(counter), start, 0.0)]
+        expanded = 0
+        while heap:
+            f, _, state, cost = heapq.heappop(heap)
+            if cost > g[state]:
+                continue  # stale entry: the state was re-reached more cheaply
+            k, mask = state
+            if k == self.n:
+                return state, g, parent
+            if f >= self.incumbent:
+                continue  # branch and bound: cannot beat the known program
+            stratum = (k, self.stratum(k, mask))
+            if self.expanded_at.get(stratum, 0) >= self.width:
+                self.exact = False
+                continue
+            self.expanded_at[stratum] = self.expanded_at.get(stratum, 0) + 1
+            expanded += 1
+            self.report.tick(expanded, k, f)
+            for move, bits in self.successors(k, mask):
+                nxt = (k + 1, (mask | bits) & ~self.F.mask_of(self.F.dead_after[k]))
+                new = cost + move.cost
+                if new < g.get(nxt, float("inf")) - 1e-15:
+                    g[nxt], parent[nxt] = new, (state, move)
+                    heapq.heappush(heap, (self.f_bound(k + 1, nxt[1], new), next(counter), nxt, new))
+        if self.incumbent < float("inf"):
+            return None, g, parent
+        raise SearchError("no distributed program found: some op has no applicable rule")
+
+
+def _next_read(reads: list[int], k: int) -> int:
+    return reads[bisect.bisect_left(reads, k)]
+
+
+def synthesize(pb: Problem, *, width: int = DEFAULT_WIDTH, progress: bool = True,
+               incumbent: float = float("inf")) -> SearchResult | None:
+    """A* over (k, live facts), at most `width` expansions per depth and stratum. With an
+    incumbent cost, returns None when no program cheaper than it exists in the bounded search."""
+    start_time = time.perf_counter()
+    search = _Search(pb, width, progress, incumbent)
+    goal, g, parent = search.run()
+    if goal is None:
+        return None
+    program: list[Instruction] = []
+    state = goal
+    while parent[state] is not None:
+        prev, move = parent[state]
+        program[:0] = [e.instruction() for e in move.instructions]
+        state = prev
+    loss_layouts = {layout for t, layout in search.F.decode(goal[1]) if t == pb.graph.loss}
+    if P not in loss_layouts:
+        assert R in loss_layouts, loss_layouts
+        program.append(Instruction(kind="partial", tensor=pb.graph.loss, src=R, layout=P, variant="local"))
+    return SearchResult(tuple(program), g[goal], sum(search.expanded_at.values()),
+                        time.perf_counter() - start_time, search.exact)

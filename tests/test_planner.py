@@ -1,0 +1,97 @@
+"""Synthesis end to end on small models: quality against baselines, degenerate cases,
+fixed ratios, memory infeasibility, JSON round trip and version checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import hetsynth
+from cost_models.cluster import cluster_from_dict, load_cluster
+from instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
+from planner import baselines
+from planner.planner import PlanInfeasible
+from planner.problem import Problem
+from planner.synthesis import synthesize
+
+CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
+
+
+@pytest.fixture(scope="module")
+def gpt_a100_t4() -> hetsynth.Plan:
+    return hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "a100-t4.toml"))
+
+
+def test_plan_beats_or_matches_every_baseline(gpt_a100_t4: hetsynth.Plan) -> None:
+    plan = gpt_a100_t4
+    assert plan.predicted.fits
+    for name, b in plan.baselines.items():
+        assert plan.predicted.step_time_s <= b.step_time_s * (1 + 1e-9), name
+    assert set(plan.baselines) == {"dp_ev", "dp_cp", "megatron"}
+
+
+def test_fast_devices_get_bigger_shares(gpt_a100_t4: hetsynth.Plan) -> None:
+    a100, t4 = gpt_a100_t4.sharding_ratios[0], gpt_a100_t4.sharding_ratios[-1]
+    assert a100 > t4 and sum(gpt_a100_t4.sharding_ratios) == pytest.approx(1.0)
+
+
+def test_json_round_trip(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) -> None:
+    hetsynth.save_plan(gpt_a100_t4, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json") == gpt_a100_t4
+
+
+def test_other_version_is_refused(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) -> None:
+    raw = json.loads(gpt_a100_t4.model_dump_json())
+    raw["version"] = PLAN_VERSION + 1
+    with pytest.raises(PlanError, match=f"version {PLAN_VERSION + 1}.*reads version {PLAN_VERSION}"):
+        plan_from_json(raw, "old.json")
+    with pytest.raises(PlanError, match="not a hetsynth plan"):
+        plan_from_json({"hello": 1}, "x.json")
+
+
+def test_every_sharded_layout_has_lengths(gpt_a100_t4: hetsynth.Plan) -> None:
+    plan = gpt_a100_t4
+    for ins in plan.instructions:
+        if ins.layout.startswith("S"):
+            lengths = plan.lengths(ins.tensor, ins.layout)
+            dim = int(ins.layout[1:])
+            assert sum(lengths) == plan.graph.node(ins.tensor).outputs[0].shape[dim]
+            assert len(lengths) == plan.cluster.num_devices
+
+
+def test_homogeneous_cluster_gives_even_ratios() -> None:
+    plan = hetsynth.plan("bert:tiny,batch_size=64", cluster=str(CLUSTERS / "a100x8.toml"))
+    assert max(plan.sharding_ratios) - min(plan.sharding_ratios) < 1e-6
+    for name, b in plan.baselines.items():
+        assert plan.predicted.step_time_s <= b.step_time_s * (1 + 1e-9), name
+
+
+def test_fixed_ratios_are_kept() -> None:
+    plan = hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "local-emulated.toml"),
+                         ratios=[0.4, 0.3, 0.2, 0.1])
+    assert plan.sharding_ratios == pytest.approx((0.4, 0.3, 0.2, 0.1))
+    with pytest.raises(ValueError, match="3 ratios given for 4 devices"):
+        hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "local-emulated.toml"), ratios=[0.5, 0.3, 0.2])
+
+
+def test_infeasible_memory_names_the_device() -> None:
+    raw = {"name": "tiny-mem", "device_kinds": {"small": {"throughput_flops": 1e12, "memory_gib": 0.0001}},
+           "nodes": [{"name": "n", "kind": "small", "num_devices": 2}],
+           "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 10}}
+    with pytest.raises(PlanInfeasible) as info:
+        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(raw))
+    msg = str(info.value)
+    assert "'n/0'" in msg or "'n/1'" in msg
+    assert "short by" in msg and "GiB" in msg
+
+
+def test_bounded_search_matches_exhaustive_on_a_small_model() -> None:
+    graph = hetsynth.capture_model("vit:tiny")
+    cluster = load_cluster(CLUSTERS / "a100-t4.toml")
+    ratios = baselines.proportional(cluster)
+    bounded = synthesize(Problem(graph, cluster, ratios), progress=False)
+    wide = synthesize(Problem(graph, cluster, ratios), width=10_000, progress=False)
+    assert bounded.cost_s == pytest.approx(wide.cost_s, rel=1e-9)
+    assert wide.exact

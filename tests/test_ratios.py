@@ -1,0 +1,51 @@
+"""The sharding-ratio LP: one test per constraint family, and the infeasible case."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models.linear_cost import LinearCost
+from cost_models.memory import GIB, MemoryTerm
+from planner.evaluate import Term
+from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+
+KEY = ("x", "S0")
+
+
+def compute(work: tuple[float, ...]) -> Term:
+    return Term(LinearCost((0.0,) * len(work), work), KEY, True)
+
+
+def test_simplex_ratios_sum_to_one() -> None:
+    sol = solve_ratios([compute((1.0, 1.0, 1.0))], [16, 16, 16])
+    assert sum(sol.ratios) == pytest.approx(1.0)
+    assert sol.ratios == pytest.approx((1 / 3,) * 3, abs=1e-6)
+
+
+def test_compute_epigraph_follows_throughput() -> None:
+    # device 0 is twice as fast: seconds per unit share 1.0 vs 2.0 -> ratios 2/3, 1/3
+    sol = solve_ratios([compute((1.0, 2.0))] * 5, [16, 16])
+    assert sol.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
+    assert sol.objective_s == pytest.approx(5 * 2 / 3, rel=1e-6)
+
+
+def test_communication_epigraph_prefers_even_for_padded_collectives() -> None:
+    # a padded all-gather costs (n-1) * max share * D / beta: minimised by even shares
+    padded = Term(LinearCost((0.1, 0.1), (3.0, 3.0)), KEY, False)
+    sol = solve_ratios([padded, compute((1.0, 1.05))], [16, 16])
+    assert sol.ratios[0] == pytest.approx(0.5, abs=0.02)
+
+
+def test_memory_constraint_caps_a_device() -> None:
+    # device 0 is faster but holds at most 1 GiB of a 4 GiB activation: ratio <= 0.25
+    mem = Term(LinearCost((0.0, 0.0), (0.0, 0.0)), KEY, True, MemoryTerm((0.0, 0.0), (4 * GIB, 4 * GIB)))
+    sol = solve_ratios([compute((1.0, 3.0)), mem], [1.0, 16.0])
+    assert sol.ratios[0] == pytest.approx(0.25, abs=1e-6)
+
+
+def test_infeasible_memory_raises_and_reports_overflow() -> None:
+    mem = Term(LinearCost((0.0, 0.0), (0.0, 0.0)), None, True, MemoryTerm((3 * GIB, 3 * GIB), (0.0, 0.0)))
+    with pytest.raises(MemoryInfeasible):
+        solve_ratios([compute((1.0, 1.0)), mem], [2.0, 2.0])
+    _, over = least_memory_overflow([mem], [2.0, 2.0])
+    assert over == pytest.approx([1.0, 1.0])
