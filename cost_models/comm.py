@@ -1,39 +1,47 @@
-"""Communication cost: alpha-beta per collective kind and implementation variant.
+"""Communication cost: alpha-beta per collective kind, implementation variant and mesh axis.
 
-A message of b bytes over a link costs `alpha + b / beta` (Hockney). For a group of n
-devices the ring's bottleneck link sets beta (the inter-node NIC when the group spans nodes,
-else the intra-node link) and alpha is that link's latency; a profiled `Calibration` replaces
-both per variant and link class. With D the bytes of the full tensor and s_i device i's
-share of the sharded dim (so the largest shard is max_i s_i * D):
+A message of b bytes over a link costs `alpha + b / beta` (Hockney). A collective runs on a
+group of g devices along one axis of the mesh (instruction_set.mesh):
+
+  all     every device; the ring's bottleneck link sets beta (a node's NIC when the group
+          spans nodes, else the intra-node link)
+  inner   the devices of one node, every node at once; the intra-node link
+  outer   one device per node, every local index at once: the per_node concurrent groups
+          share each node's NIC, so beta is the NIC's bandwidth / per_node
+
+A profiled `Calibration` replaces alpha and beta per variant and link class. With D the bytes
+of the (per group) tensor and s_i device i's share of the split dim within its group:
 
   all_gather / reduce_scatter
-    padded   (n-1) * (alpha + max_i s_i * D / beta)   pad to the largest shard, one ring
-    ring     (n-1) * alpha + (1 - min_i s_i) * D / beta  point-to-point ring, exact sizes;
+    padded   (g-1) * (alpha + max_i s_i * D / beta)   pad to the largest shard, one ring
+    ring     (g-1) * alpha + (1 - min_i s_i) * D / beta  point-to-point ring, exact sizes;
              every link carries all shards but its receiver's own
-    grouped  n * alpha + D / beta                      one (pipelined) broadcast / reduce per
+    grouped  g * alpha + D / beta                      one (pipelined) broadcast / reduce per
              root, no padding (Thakur et al., IJHPCA 2005; uneven: HAP, EuroSys'24)
   all_reduce
-    ring     2 (n-1) alpha + 2 (n-1)/n * D / beta      (Patarasuk & Yuan, 2009)
-    hierarchical  on N nodes of t devices each: reduce-scatter inside each node, t concurrent
-             all-reduces of D/t across nodes sharing each node's NIC, all-gather inside:
+    ring     2 (g-1) alpha + 2 (g-1)/g * D / beta      (Patarasuk & Yuan, 2009)
+    hierarchical  (axis all) on N nodes of t devices: reduce-scatter inside each node, t
+             concurrent all-reduces of D/t across nodes sharing each NIC, all-gather inside:
              2 (t-1) alpha_i + 2 (N-1) alpha_e + 2 (t-1)/t D / beta_i + 2 (N-1)/N D / beta_e
-             (BlueConnect, Cho et al., SysML 2019); a NIC carries 2 (N-1)/N D instead of the
-             flat ring's 2 (n-1)/n D
-  all_to_all   (n-1) alpha + max_i s_i * D / beta      a rank sends at most its own shard
+             (BlueConnect, Cho et al., SysML 2019)
+  all_to_all   (g-1) alpha + max_i s_i * D / beta      a device sends at most its own shard
   slice (R -> S), partial (R -> P): local, free.
 
-Each is a LinearCost in the shares (cost_models.linear_cost). The backward of a collective
-is its adjoint (all_gather <-> reduce_scatter, all_reduce <-> all_reduce, all_to_all <->
-all_to_all, slice <-> zero-padding), charged with the same variant.
+Each is a LinearCost in the shares (cost_models.linear_cost) with one entry per device of the
+cluster. The backward of a collective is its adjoint (all_gather <-> reduce_scatter,
+all_reduce <-> all_reduce, all_to_all <-> all_to_all, slice <-> zero-padding), charged with
+the same variant.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from cost_models.calibration import AlphaBeta
 from cost_models.cluster import ClusterSpec
 from cost_models.linear_cost import LinearCost
+from instruction_set.mesh import Mesh
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "all_gather": ("padded", "grouped", "ring"),
@@ -62,102 +70,120 @@ GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default buck
 
 @dataclass(frozen=True)
 class CommModel:
-    """Link parameters of the group of all devices of a cluster."""
+    """Link parameters of the groups along each mesh axis of a cluster."""
 
     cluster: ClusterSpec
-    _alpha_beta: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict, repr=False)
+    _alpha_beta: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def mesh(self) -> Mesh:
+        return Mesh.of([len(n.devices) for n in self.cluster.nodes])
 
     @property
     def n(self) -> int:
         return self.cluster.num_devices
 
-    @property
-    def link_class(self) -> str:
-        return "inter" if len(self.cluster.nodes) > 1 else "intra"
+    def group_size(self, axis: str) -> int:
+        return {"all": self.n, "inner": self.mesh.per_node, "outer": self.mesh.num_nodes}[axis]
 
-    def link(self) -> AlphaBeta:
-        """The ring's bottleneck link from the spec."""
+    def _intra(self) -> AlphaBeta:
         spec, links = self.cluster, self.cluster.links
         intra = [n.intra_bandwidth_gbps or links.intra_node_bandwidth_gbps
                  for n in spec.nodes if len(n.devices) > 1]
-        if len(spec.nodes) == 1:
-            return AlphaBeta(latency_us=links.intra_node_latency_us, bandwidth_gbps=min(intra or [1e9]))
-        nics = [n.nic_bandwidth_gbps or links.inter_node_bandwidth_gbps for n in spec.nodes]
-        return AlphaBeta(latency_us=max(links.inter_node_latency_us, links.intra_node_latency_us),
-                         bandwidth_gbps=min(nics + intra))
+        return AlphaBeta(latency_us=links.intra_node_latency_us, bandwidth_gbps=min(intra or [1e9]))
 
-    def alpha_beta(self, kind: str, variant: str) -> tuple[float, float]:
-        """(alpha seconds, beta bytes/second) for a variant: calibrated, else the spec's link."""
-        key = (kind, variant)
+    def _nic(self) -> AlphaBeta:
+        links = self.cluster.links
+        nics = [n.nic_bandwidth_gbps or links.inter_node_bandwidth_gbps for n in self.cluster.nodes]
+        return AlphaBeta(latency_us=links.inter_node_latency_us, bandwidth_gbps=min(nics))
+
+    def link(self, axis: str = "all") -> AlphaBeta:
+        """The bottleneck link of a ring along `axis`, from the spec."""
+        if axis == "inner" or len(self.cluster.nodes) == 1:
+            return self._intra()
+        nic = self._nic()
+        if axis == "outer":
+            return AlphaBeta(latency_us=nic.latency_us,
+                             bandwidth_gbps=nic.bandwidth_gbps / self.mesh.per_node)
+        intra = self._intra()
+        return AlphaBeta(latency_us=max(nic.latency_us, intra.latency_us),
+                         bandwidth_gbps=min(nic.bandwidth_gbps, intra.bandwidth_gbps))
+
+    def link_class(self, axis: str) -> str:
+        return "intra" if axis == "inner" or len(self.cluster.nodes) == 1 else "inter"
+
+    def alpha_beta(self, kind: str, variant: str, axis: str = "all") -> tuple[float, float]:
+        """(alpha seconds, beta bytes/second): calibrated for the variant, else the spec's link."""
+        key = (kind, variant, axis)
         if key not in self._alpha_beta:
             cal = self.cluster.calibration
-            fit = cal.lookup(f"{kind}.{variant}", self.link_class) if cal else None
-            ab = fit or self.link()
+            fit = cal.lookup(f"{kind}.{variant}", self.link_class(axis)) if cal else None
+            if fit is not None and axis == "outer":
+                fit = AlphaBeta(latency_us=fit.latency_us, bandwidth_gbps=fit.bandwidth_gbps / self.mesh.per_node)
+            ab = fit or self.link(axis)
             self._alpha_beta[key] = (ab.latency_us * 1e-6, ab.bandwidth_gbps * 1e9 / 8)
         return self._alpha_beta[key]
 
-    def cost(self, kind: str, variant: str, nbytes: float) -> LinearCost:
-        """Forward cost of one collective on a tensor of `nbytes` (full size)."""
-        n = self.n
-        if n == 1 or kind in LOCAL:
+    def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all") -> LinearCost:
+        """Forward cost of one collective on `nbytes` per group, along `axis`."""
+        n, g = self.n, self.group_size(axis)
+        if g == 1 or kind in LOCAL:
             return LinearCost.zero(n)
-        alpha, beta = self.alpha_beta(kind, variant)
+        if kind == "all_reduce" and variant == "hierarchical":
+            return LinearCost.constant(self._hierarchical_allreduce(nbytes, axis), n)
+        alpha, beta = self.alpha_beta(kind, variant, axis)
         d = nbytes / beta
         if kind in ("all_gather", "reduce_scatter"):
             if variant == "padded":
-                return LinearCost(((n - 1) * alpha,) * n, ((n - 1) * d,) * n)
+                return LinearCost(((g - 1) * alpha,) * n, ((g - 1) * d,) * n)
             if variant == "ring":
-                return LinearCost(((n - 1) * alpha + d,) * n, (-d,) * n)
+                return LinearCost(((g - 1) * alpha + d,) * n, (-d,) * n)
             if variant == "grouped":
-                return LinearCost.constant(n * alpha + d, n)
-        if kind == "all_reduce" and variant == "hierarchical":
-            return LinearCost.constant(self._hierarchical_allreduce(nbytes), n)
+                return LinearCost.constant(g * alpha + d, n)
         if kind in ("all_reduce", "all_reduce_max"):
-            return LinearCost.constant(2 * (n - 1) * alpha + 2 * (n - 1) / n * d, n)
+            return LinearCost.constant(2 * (g - 1) * alpha + 2 * (g - 1) / g * d, n)
         if kind == "all_to_all":
-            return LinearCost(((n - 1) * alpha,) * n, (d,) * n)
+            return LinearCost(((g - 1) * alpha,) * n, (d,) * n)
         raise ValueError(f"unknown collective {kind}.{variant}")
 
     @property
     def hierarchical(self) -> bool:
-        """Whether a two-level all-reduce applies: several nodes of equal size > 1."""
-        sizes = {len(n.devices) for n in self.cluster.nodes}
-        return len(self.cluster.nodes) > 1 and len(sizes) == 1 and sizes.pop() > 1
+        """Whether the two-level all-reduce applies: several nodes of equal size > 1."""
+        return self.mesh.two_level
 
-    def _hierarchical_allreduce(self, nbytes: float) -> float:
-        if not self.hierarchical:
+    def _hierarchical_allreduce(self, nbytes: float, axis: str) -> float:
+        if axis != "all" or not self.hierarchical:
             return float("inf")
-        spec, links = self.cluster, self.cluster.links
-        nodes, t = len(spec.nodes), len(spec.nodes[0].devices)
-        cal = spec.calibration
-        inter = (cal.lookup("all_reduce.hierarchical", "inter") if cal else None) or self.link()
-        beta_i = min(n.intra_bandwidth_gbps or links.intra_node_bandwidth_gbps for n in spec.nodes) * 1e9 / 8
-        beta_e, alpha_e = inter.bandwidth_gbps * 1e9 / 8, inter.latency_us * 1e-6
-        alpha_i = links.intra_node_latency_us * 1e-6
+        nodes, t = self.mesh.num_nodes, self.mesh.per_node
+        alpha_i, beta_i = self.alpha_beta("all_reduce", "ring", "inner")
+        alpha_e, beta_e = self.alpha_beta("all_reduce", "hierarchical", "outer")
+        beta_e *= t  # the t concurrent cross-node all-reduces carry D/t each
         return (2 * (t - 1) * alpha_i + 2 * (nodes - 1) * alpha_e
                 + 2 * (t - 1) / t * nbytes / beta_i + 2 * (nodes - 1) / nodes * nbytes / beta_e)
 
-    def gradient_allreduce(self, nbytes: float) -> LinearCost:
+    def gradient_allreduce(self, nbytes: float, axis: str = "all") -> LinearCost:
         """Gradient all-reduce of a replicated parameter, bucketed as in DDP (Li et al., VLDB
         2020): parameters share all-reduces of GRAD_BUCKET_BYTES, so one parameter pays the
         bandwidth term of its bytes and its bytes' fraction of a bucket's latency term."""
-        n = self.n
-        if n == 1:
-            return LinearCost.zero(n)
-        return min((self.bucketed(v, nbytes) for v in VARIANTS["all_reduce"]), key=lambda c: c.a[0])
+        if self.group_size(axis) == 1:
+            return LinearCost.zero(self.n)
+        variants = VARIANTS["all_reduce"] if axis == "all" else ("ring",)
+        return min((self.bucketed(v, nbytes, axis) for v in variants), key=lambda c: c.a[0])
 
-    def bucketed(self, variant: str, nbytes: float) -> LinearCost:
+    def bucketed(self, variant: str, nbytes: float, axis: str = "all") -> LinearCost:
         """A variant's cost for `nbytes` inside a GRAD_BUCKET_BYTES bucket: latency pro rata."""
+        whole_bytes = max(nbytes, GRAD_BUCKET_BYTES)
+        whole = self.cost("all_reduce", variant, whole_bytes, axis).a[0]
+        empty = self.cost("all_reduce", variant, 0.0, axis).a[0]
         fraction = min(1.0, nbytes / GRAD_BUCKET_BYTES)
-        whole = self.cost("all_reduce", variant, GRAD_BUCKET_BYTES if fraction < 1 else nbytes).a[0]
-        empty = self.cost("all_reduce", variant, 0.0).a[0]
-        per_byte = (whole - empty) / (GRAD_BUCKET_BYTES if fraction < 1 else max(nbytes, 1.0))
-        return LinearCost.constant(empty * fraction + per_byte * nbytes, self.n)
+        return LinearCost.constant(empty * fraction + (whole - empty) / whole_bytes * nbytes, self.n)
 
-    def with_adjoint(self, kind: str, variant: str, nbytes: float, grad: bool) -> LinearCost:
+    def with_adjoint(self, kind: str, variant: str, nbytes: float, grad: bool,
+                     axis: str = "all") -> LinearCost:
         """Forward cost plus, when a gradient flows, the adjoint collective's cost."""
-        cost = self.cost(kind, variant, nbytes)
+        cost = self.cost(kind, variant, nbytes, axis)
         back = ADJOINT.get(kind)
         if grad and back is not None:
-            cost = cost + self.cost(back, variant if variant in VARIANTS[back] else VARIANTS[back][0], nbytes)
+            back_variant = variant if variant in VARIANTS[back] else VARIANTS[back][0]
+            cost = cost + self.cost(back, back_variant, nbytes, axis)
         return cost

@@ -55,19 +55,14 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         ref = parse_model_ref(model)
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
-        graph_for_batch = lambda b: capture_model(with_overrides(ref, batch_size=b).ref,
-                                                  allow_replicate_fallback=allow_replicate_fallback)
-        graph = graph_for_batch(ref.batch_size)
+        graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
     else:
         if example_inputs is None:
             raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
         if batch_size is not None:
             raise ValueError("batch_size applies to model references; slice example_inputs instead")
-        inputs = tuple(example_inputs)
-        graph_for_batch = lambda b: capture_model(model, tuple(t[:b] for t in inputs),
-                                                  allow_replicate_fallback=allow_replicate_fallback)
-        graph = capture_model(model, inputs, allow_replicate_fallback=allow_replicate_fallback)
-    return make_plan(graph, spec, ratios=ratios, progress=progress, graph_for_batch=graph_for_batch)
+        graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback)
+    return make_plan(graph, spec, ratios=ratios, progress=progress)
 
 
 __all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_model", "load_cluster", "load_plan",

@@ -78,16 +78,19 @@ class Plan(_Frozen):
     version: int = PLAN_VERSION
     model: ModelInfo
     cluster: ClusterSpec
+    mesh: tuple[int, int] = Field(description="(nodes, devices per node) of two-level layouts; "
+                                               "(1, devices) when only one-level layouts are used")
     graph: ReferenceGraph
     sharding_ratios: tuple[float, ...]
-    shards: dict[str, dict[str, tuple[int, ...]]] = Field(
-        description="tensor -> layout (S<d>) -> per-rank lengths along d")
+    shards: dict[str, dict[str, dict[int, tuple[int, ...]]]] = Field(
+        description="tensor -> layout -> split dim -> local length on each rank")
     instructions: tuple[Instruction, ...]
     predicted: Prediction
     baselines: dict[str, BaselineResult] = Field(default_factory=dict)
     synthesis: SynthesisStats
 
-    def lengths(self, tensor: str, layout: str) -> tuple[int, ...]:
+    def lengths(self, tensor: str, layout: str) -> dict[int, tuple[int, ...]]:
+        """{split dim: local length on each rank} of a tensor in a layout."""
         try:
             return self.shards[tensor][layout]
         except KeyError:

@@ -13,7 +13,10 @@ Each instruction makes one tensor available in one layout on every rank:
                   weight `tensor` from all-gathered factors (sufficient-factor broadcasting)
 
 Gradient synchronisation of a replicated parameter is an `all_reduce` with
-`phase == "backward"` on the parameter. Forward collectives carry their adjoint in the
+`phase == "backward"` on the parameter (variant "bucketed": gradients are all-reduced in
+buckets). `axis` is the mesh axis a collective runs along (instruction_set.mesh): "all"
+devices, "inner" (the devices of each node) or "outer" (one device per node, for every
+local index). Forward collectives carry their adjoint in the
 backward pass; `predicted_s` includes both. `alternatives` maps each implementation variant
 the planner considered to its predicted seconds.
 """
@@ -44,6 +47,7 @@ class Instruction(BaseModel):
     local: str = ""
     variant: str = ""
     phase: Literal["forward", "backward"] = "forward"
+    axis: Literal["all", "inner", "outer"] = "all"
     predicted_s: float = 0.0
     alternatives: dict[str, float] = Field(default_factory=dict)
 
@@ -55,4 +59,5 @@ class Instruction(BaseModel):
         arrow = f"{self.src}->{self.layout}" if self.src else self.layout
         variant = f" [{self.variant}]" if self.variant and self.variant != "local" else ""
         phase = " (backward)" if self.phase == "backward" else ""
-        return f"{self.kind} {self.tensor} {arrow}{variant}{phase}"
+        axis = f" over {self.axis} axis" if self.axis != "all" else ""
+        return f"{self.kind} {self.tensor} {arrow}{variant}{axis}{phase}"

@@ -14,7 +14,13 @@ multiples of the class unit `u = lcm_m(size_root / gcd(size_root, size_m))`, and
 
 (largest-remainder rounding: floor every `ratio_i * n`, then give the leftover units to the
 largest fractional parts, ties to the lower rank). Zero-length shards are legal.
-Every consumer of shard lengths (cost model, plan, codegen) calls `DimClasses.lengths`.
+On a two-level mesh (instruction_set.mesh) a layout `A|B` places a dim on one axis or both:
+  one-level S<d> (both axes)  rank r holds len(r) of the one-level split above; a node's
+                              block is the sum over its devices
+  A = S<d> only (across nodes)  every rank of node j holds node j's block of that split
+  B = S<d> only (inside nodes)  the whole dim split over node j's devices by their ratios
+`rank_lengths` gives, for any layout, every sharded dim's local length on every rank.
+Every consumer of shard lengths (cost model, plan, codegen) calls these two methods.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from instruction_set.layouts import Layout, axes, shard_dim
+from instruction_set.mesh import Mesh
 
 DimKey = tuple[str, int]  # (tensor name, dim)
 
@@ -105,6 +114,33 @@ class DimClasses:
         """Fraction of the dim held by each rank."""
         size = self.sizes[(tensor, dim)]
         return [n / size for n in self.lengths(tensor, dim, ratios)]
+
+    def rank_lengths(self, tensor: str, layout: Layout, ratios: Sequence[float],
+                     mesh: Mesh) -> dict[int, tuple[int, ...]]:
+        """{dim: local length on each rank} for every dim the layout splits."""
+        outer, inner = axes(layout)
+        d_out, d_in = shard_dim(outer), shard_dim(inner)
+        out: dict[int, tuple[int, ...]] = {}
+        if d_out is not None and d_out == d_in:
+            return {d_out: tuple(self.lengths(tensor, d_out, ratios))}
+        if d_out is not None:
+            flat = self.lengths(tensor, d_out, ratios)
+            blocks = [sum(flat[r] for r in mesh.node_ranks(j)) for j in range(mesh.num_nodes)]
+            out[d_out] = tuple(blocks[mesh.node(r)] for r in range(mesh.size))
+        if d_in is not None:
+            per_node = [self.lengths(tensor, d_in, [ratios[r] for r in mesh.node_ranks(j)])
+                        for j in range(mesh.num_nodes)]
+            out[d_in] = tuple(per_node[mesh.node(r)][mesh.local(r)] for r in range(mesh.size))
+        return out
+
+    def rank_shares(self, tensor: str, layout: Layout, ratios: Sequence[float],
+                    mesh: Mesh) -> tuple[float, ...]:
+        """Fraction of the tensor's elements each rank holds (1 for unsplit layouts)."""
+        shares = [1.0] * mesh.size
+        for dim, lengths in self.rank_lengths(tensor, layout, ratios, mesh).items():
+            size = self.sizes[(tensor, dim)]
+            shares = [s * n / size for s, n in zip(shares, lengths)]
+        return tuple(shares)
 
     def class_id(self, tensor: str, dim: int) -> int:
         return self.class_of[(tensor, dim)]

@@ -1,12 +1,15 @@
-"""Cost of a finished program: one LinearCost per instruction, memory per device, prediction.
+"""Cost of a finished program: one Term per instruction, memory per device, prediction.
 
-Every instruction of a program contributes a `Term`: its time as a LinearCost in the shares of
-one sharded layout (`share_key`, None when it does not depend on shares), its kind (compute
-or communication), and its memory. The same terms give
+Every instruction of a program contributes a `Term`: its time as a LinearCost, the per-device
+shares it is evaluated at (the rounded shard lengths at the problem's ratios), how those
+shares depend on the ratios for the LP (`lp_kind`), whether it is compute or communication,
+and its memory. The same terms give
 
-- the prediction of a plan: shares are the rounded shard lengths of `share_key` at the
-  plan's ratios (step time = sum of max over devices per instruction; memory per device);
-- the sharding-ratio LP (planner.ratios): shares are the ratio variables themselves.
+- the prediction of a plan: step time = sum over instructions of the max over devices;
+  per-device compute, communication and memory;
+- the sharding-ratio LP (planner.ratios), which replaces the shares by functions of the
+  ratio variables r: "flat" s_i = r_i, "node" s_i = sum of r over device i's node, "fixed"
+  (shares inside one node only: kept at their current value), "none" (no split).
 """
 
 from __future__ import annotations
@@ -16,21 +19,31 @@ from typing import Sequence
 
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import GIB, MemoryTerm, activation_memory, param_memory
-from instruction_set.layouts import is_shard
+from instruction_set.layouts import axes, is_shard, is_two_level
 from instruction_set.plan import DevicePrediction, Prediction
 from instruction_set.program import Instruction
 from planner.problem import Problem
 from planner.sfb import sfb_cost
 
-ShareKey = tuple[str, str] | None
-
 
 @dataclass(frozen=True)
 class Term:
     time: LinearCost
-    share_key: ShareKey
+    shares: tuple[float, ...]
+    lp_kind: str
     is_compute: bool
     memory: MemoryTerm | None = None
+
+
+def lp_kind(layouts: Sequence[str]) -> str:
+    """How the shares of a split across these layouts depend on the ratios."""
+    split = [l for l in layouts if is_shard(l)]
+    flat = any(not is_two_level(l) for l in split)
+    outer = any(is_two_level(l) and is_shard(axes(l)[0]) for l in split)
+    inner = any(is_two_level(l) and is_shard(axes(l)[1]) for l in split)
+    if flat or (outer and inner):
+        return "flat"
+    return "node" if outer else ("fixed" if inner else "none")
 
 
 def _rule_index(pb: Problem, ins: Instruction) -> int:
@@ -44,36 +57,48 @@ def _compute_term(pb: Problem, ins: Instruction) -> Term:
     node = pb.graph.node(ins.node)
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
-    sharded = is_shard(rule.output) or any(is_shard(l) for l in rule.inputs)
-    key = next(((t, l) for t, l in [(node.name, rule.output), *zip(node.inputs, rule.inputs)]
-                if is_shard(l)), None)
-    return Term(pb.compute_linear(node, ri), key, True, activation_memory(node, sharded, pb.n))
+    layouts = (rule.output, *rule.inputs)
+    sharded = any(is_shard(l) for l in layouts)
+    return Term(pb.compute_linear(node, ri), pb.rule_shares(node, rule), lp_kind(layouts), True,
+                activation_memory(node, sharded, pb.n))
 
 
-def _sfb_term(pb: Problem, ins: Instruction, x_layout: str) -> Term:
-    x = pb.graph.node(ins.node).inputs[0]
-    return Term(sfb_cost(pb, ins.tensor, ins.node, ins.variant), (x, x_layout), False)
+def _param_term(pb: Problem, ins: Instruction) -> Term:
+    mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.n)
+    return Term(LinearCost.zero(pb.n), pb.shares(ins.tensor, ins.layout), lp_kind([ins.layout]), False, mem)
 
 
-def instruction_term(pb: Problem, ins: Instruction, program_layouts: dict[str, str]) -> Term | None:
+def _sync_term(pb: Problem, ins: Instruction) -> Term:
+    """Backward gradient all-reduce of a replicated (or node-replicated) parameter."""
+    nbytes = pb.meta(ins.tensor).nbytes
+    if ins.axis == "outer":
+        nbytes *= max(pb.shares(ins.tensor, ins.layout))
+    cost = pb.comm.gradient_allreduce(nbytes, ins.axis)
+    return Term(cost, (1.0,) * pb.n, "none", False)
+
+
+def _collective_term(pb: Problem, ins: Instruction) -> Term:
+    shares, nbytes = pb.axis_shares(ins.tensor, ins.src, ins.layout, ins.axis)
+    cost = pb.comm.with_adjoint(ins.kind, ins.variant, nbytes, pb.requires_grad(ins.tensor), ins.axis)
+    kind = {"all": lp_kind([ins.src, ins.layout]), "inner": "fixed", "outer": "node"}[ins.axis]
+    return Term(cost, shares, kind, False)
+
+
+def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term | None:
     """The Term of one instruction (None for free ones)."""
-    n = pb.n
     if ins.kind == "compute":
         return _compute_term(pb, ins)
     if ins.kind == "param":
-        mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), n)
-        return Term(LinearCost.zero(n), (ins.tensor, ins.layout) if is_shard(ins.layout) else None,
-                    False, mem)
+        return _param_term(pb, ins)
     if ins.kind == "sfb":
-        return _sfb_term(pb, ins, program_layouts[ins.node])
+        x = pb.graph.node(ins.node).inputs[0]
+        layout = x_layouts[ins.node]
+        return Term(sfb_cost(pb, ins.tensor, ins.node, ins.variant), pb.shares(x, layout), "flat", False)
     if ins.kind == "all_reduce" and ins.phase == "backward":
-        return Term(pb.comm.gradient_allreduce(pb.meta(ins.tensor).nbytes), None, False)
+        return _sync_term(pb, ins)
     if ins.kind in ("input", "buffer", "slice", "partial"):
         return None
-    meta = pb.meta(ins.tensor)
-    sharded = ins.layout if is_shard(ins.layout) else ins.src
-    key = (ins.tensor, sharded) if is_shard(sharded) else None
-    return Term(pb.comm.with_adjoint(ins.kind, ins.variant, meta.nbytes, meta.requires_grad), key, False)
+    return _collective_term(pb, ins)
 
 
 def program_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
@@ -82,19 +107,15 @@ def program_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
     return [t for t in terms if t is not None]
 
 
-def shares_of(pb: Problem, key: ShareKey) -> tuple[float, ...]:
-    return pb.shares(*key) if key is not None else (1.0,) * pb.n
+def step_time(terms: Sequence[Term]) -> float:
+    return sum(t.time.at(t.shares) for t in terms)
 
 
-def step_time(pb: Problem, terms: Sequence[Term]) -> float:
-    return sum(t.time.at(shares_of(pb, t.share_key)) for t in terms)
-
-
-def memory_bytes(pb: Problem, terms: Sequence[Term]) -> list[float]:
-    total = [0.0] * pb.n
+def memory_bytes(n: int, terms: Sequence[Term]) -> list[float]:
+    total = [0.0] * n
     for t in terms:
         if t.memory is not None:
-            for i, b in enumerate(t.memory.per_device(shares_of(pb, t.share_key))):
+            for i, b in enumerate(t.memory.per_device(t.shares)):
                 total[i] += b
     return total
 
@@ -104,18 +125,17 @@ def predict(pb: Problem, terms: Sequence[Term]) -> Prediction:
     compute = [0.0] * pb.n
     comm = 0.0
     for t in terms:
-        shares = shares_of(pb, t.share_key)
         if t.is_compute:
-            for i, c in enumerate(t.time.per_device(shares)):
+            for i, c in enumerate(t.time.per_device(t.shares)):
                 compute[i] += c
         else:
-            comm += t.time.at(shares)
-    memory = memory_bytes(pb, terms)
+            comm += t.time.at(t.shares)
+    memory = memory_bytes(pb.n, terms)
     caps = [k.memory_gib for k in pb.kinds]
     devices = tuple(
         DevicePrediction(name=d.name, kind=d.kind, ratio=pb.ratios[i], compute_s=compute[i],
                          communication_s=comm, memory_gib=memory[i] / GIB, memory_capacity_gib=caps[i])
         for i, d in enumerate(pb.cluster.devices))
-    total = step_time(pb, terms)
+    total = step_time(terms)
     return Prediction(step_time_s=total, compute_s=total - comm, communication_s=comm,
                       fits=all(m / GIB <= c for m, c in zip(memory, caps)), devices=devices)

@@ -8,10 +8,10 @@
         stop when the predicted step time improves by less than 0.1%
         ratios <- ratios'
 
-Each search is seeded with the data-parallel program at the same ratios (found by the same
-search restricted to replicated parameters and batch-split inputs) as its incumbent: a
-point of the search space that prunes by branch and bound and is returned when the bounded
-search finds nothing cheaper. The best (program, ratios) pair evaluated wins. When the LP finds no ratios that fit the
+Each search is seeded with the data-parallel and the Megatron-style programs at the same
+ratios (the same search restricted to those spaces, planner.baselines): the cheaper is the
+incumbent, a point of the search space that prunes by branch and bound and is returned when
+the bounded search finds nothing cheaper. The best (program, ratios) pair evaluated wins. When the LP finds no ratios that fit the
 program in memory, the search is repeated with a memory penalty (seconds per byte, escalated
 x4 per attempt) on replicated parameters and activations, which steers it to sharded
 storage; if no attempt fits, `PlanInfeasible` names the device that is short of memory, by
@@ -22,24 +22,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from cost_models.cluster import ClusterSpec
 from cost_models.memory import GIB
 from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import is_shard, shard_dim
+from instruction_set.layouts import is_shard
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.program import COLLECTIVES, Instruction
 from planner import baselines
-from planner.evaluate import instruction_term, predict, program_terms, shares_of
+from planner.evaluate import instruction_term, predict, program_terms
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
 
 MEMORY_ATTEMPTS = 6
+SEED_WIDTH = 8  # the incumbents' spaces are narrow; a small width finds their optimum
 
 # The incumbent of every search: data parallelism (any all-reduce variant, SFB allowed).
-DP_SEED = Restrictions(param_layouts=("R",), input_layout="S0")
+DP_SEED = Restrictions(param_layouts=("R",), input_layout="S0", batch_split_only=True, two_level=False)
 
 
 class PlanInfeasible(ValueError):
@@ -92,9 +93,11 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
         best = current if current.better_than(best) else best
         if fixed:
             break
-        terms = program_terms(Problem(graph, cluster, ratios), result.instructions)
+        pb = Problem(graph, cluster, ratios)
+        terms = program_terms(pb, result.instructions)
         try:
-            solution = solve_ratios(terms, cluster.memories_gib())
+            solution = solve_ratios(terms, cluster.memories_gib(),
+                                    nodes=[pb.mesh.node(i) for i in range(pb.n)])
         except MemoryInfeasible:
             break
         stats.lp_s += solution.seconds
@@ -108,18 +111,35 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
     return best
 
 
+def _seeds(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
+           memory_weight: float, width: int, stats: _Stats) -> list[SearchResult]:
+    """The incumbents: data parallelism and Megatron-style programs at these ratios."""
+    out = []
+    for restrictions in (DP_SEED, baselines.megatron_restrictions(cluster)):
+        result = synthesize(Problem(graph, cluster, ratios, restrictions, memory_weight),
+                            width=min(width, SEED_WIDTH), progress=False)
+        if result is not None:
+            _count(stats, result)
+            out.append(result)
+    return out
+
+
+def _count(stats: _Stats, result: SearchResult) -> None:
+    stats.search_s += result.seconds
+    stats.expanded += result.states_expanded
+    stats.exact &= result.exact
+
+
 def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
                   memory_weight: float, width: int, progress: bool, stats: _Stats) -> SearchResult:
-    """A* seeded with the data-parallel program as incumbent; the cheaper of the two."""
-    seed = synthesize(Problem(graph, cluster, ratios, DP_SEED, memory_weight), width=width, progress=False)
+    """A* with the seeds' best cost as incumbent; the search's program if cheaper, else the seed."""
+    seeds = _seeds(graph, cluster, ratios, memory_weight, width, stats)
+    best_seed = min(seeds, key=lambda r: r.cost_s)
     pb = Problem(graph, cluster, ratios, memory_weight=memory_weight)
-    found = synthesize(pb, width=width, progress=progress, incumbent=seed.cost_s)
-    for r in (seed, found):
-        if r is not None:
-            stats.search_s += r.seconds
-            stats.expanded += r.states_expanded
-            stats.exact &= r.exact
-    return found if found is not None else seed
+    found = synthesize(pb, width=width, progress=progress, incumbent=best_seed.cost_s)
+    if found is not None:
+        _count(stats, found)
+    return found if found is not None else best_seed
 
 
 def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
@@ -148,7 +168,8 @@ def _next_weight(weight: float, candidate: Candidate) -> float:
 
 def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate) -> str:
     pb = Problem(graph, cluster, best.ratios)
-    ratios, over = least_memory_overflow(program_terms(pb, best.program), [k.memory_gib for k in pb.kinds])
+    ratios, over = least_memory_overflow(program_terms(pb, best.program), [k.memory_gib for k in pb.kinds],
+                                         nodes=[pb.mesh.node(i) for i in range(pb.n)])
     worst = max(range(len(over)), key=lambda i: over[i])
     device = cluster.devices[worst]
     cap = cluster.device_kind(worst).memory_gib
@@ -172,21 +193,21 @@ def finalize(pb: Problem, program: Sequence[Instruction]) -> tuple[Instruction, 
     out = []
     for ins in program:
         term = instruction_term(pb, ins, x_layouts)
-        update: dict = {"predicted_s": term.time.at(shares_of(pb, term.share_key)) if term else 0.0}
+        update: dict = {"predicted_s": term.time.at(term.shares) if term else 0.0}
         if ins.kind in COLLECTIVES and ins.phase == "forward":
-            update["alternatives"] = dict(pb.collective(ins.tensor, ins.kind, ins.src, ins.layout).alternatives)
+            step = pb.collective(ins.tensor, ins.kind, ins.src, ins.layout, ins.axis)
+            update["alternatives"] = dict(step.alternatives)
         out.append(ins.model_copy(update=update))
     return tuple(out)
 
 
-def shard_table(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Per-rank lengths of every sharded layout the program uses, derived once."""
-    table: dict[str, dict[str, tuple[int, ...]]] = {}
+def shard_table(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[str, dict[int, tuple[int, ...]]]]:
+    """Per-rank local lengths of every split dim of every layout the program uses."""
+    table: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}
 
     def add(tensor: str, layout: str) -> None:
         if is_shard(layout):
-            lengths = pb.classes.lengths(tensor, shard_dim(layout), pb.ratios)
-            table.setdefault(tensor, {})[layout] = tuple(lengths)
+            table.setdefault(tensor, {})[layout] = pb.classes.rank_lengths(tensor, layout, pb.ratios, pb.mesh)
 
     for ins in program:
         add(ins.tensor, ins.layout)
@@ -207,24 +228,18 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 
 
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
-              width: int = DEFAULT_WIDTH, progress: bool = True,
-              graph_for_batch: Callable[[int], ReferenceGraph] | None = None) -> Plan:
+              width: int = DEFAULT_WIDTH, progress: bool = True) -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines."""
     start = time.perf_counter()
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress)
+    seconds = time.perf_counter() - start
     pb = Problem(graph, cluster, best.ratios)
-    results = {
-        "dp_ev": baselines.data_parallel(graph, cluster, baselines.even(cluster), width=width),
-        "dp_cp": baselines.data_parallel(graph, cluster, baselines.proportional(cluster), width=width),
-    }
-    if graph_for_batch is not None:
-        results["megatron"] = baselines.megatron(graph_for_batch, model_info(graph).batch_size,
-                                                 cluster, width=width)
     return Plan(
-        model=model_info(graph), cluster=cluster, graph=graph, sharding_ratios=best.ratios,
+        model=model_info(graph), cluster=cluster, mesh=(pb.mesh.num_nodes, pb.mesh.per_node),
+        graph=graph, sharding_ratios=best.ratios,
         shards=shard_table(pb, best.program), instructions=finalize(pb, best.program),
-        predicted=best.prediction, baselines=results,
-        synthesis=SynthesisStats(seconds=time.perf_counter() - start, search_seconds=stats.search_s,
+        predicted=best.prediction, baselines=baselines.all_baselines(graph, cluster, width=width),
+        synthesis=SynthesisStats(seconds=seconds, search_seconds=stats.search_s,
                                  lp_seconds=stats.lp_s, states_expanded=stats.expanded,
                                  rounds=stats.rounds, heuristic="compute suffix + pending conversions",
                                  exact=stats.exact),

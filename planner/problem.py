@@ -2,13 +2,15 @@
 
 `Problem` precomputes what the search asks for again and again:
 
-- the call nodes in topological order, each with its candidate rules (instruction_set.rules)
-  after `Restrictions` (used by the baselines) are applied;
-- dim classes and shard lengths (instruction_set.shards) and, per sharded layout, the share
-  vector `s_i = len_i / size` that the cost model takes;
+- the device mesh (instruction_set.mesh) and, for each call node in topological order, its
+  candidate rules: the one-level rules of instruction_set.rules and, on a two-level mesh,
+  their products (across nodes x inside a node) whose across-nodes part splits only batch
+  dims (or nothing): data parallelism across nodes combined with anything inside a node,
+  next to the one-level rules (HAP's space). `Restrictions` (the baselines) narrow this;
+- dim classes and shard lengths (instruction_set.shards) and each layout's per-device share;
 - liveness: the index of each tensor's last consumer, so states keep only live tensors;
 - compute cost per (node, rule) and the cheapest conversion between two layouts of a tensor
-  (one or two collectives, the best variant of each), memoised.
+  (one or two collectives on some mesh axis, the best variant of each), memoised.
 
 Costs are seconds per training step (forward and backward).
 """
@@ -25,25 +27,33 @@ from cost_models.compute import compute_cost
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
-from instruction_set.layouts import P, PMAX, R, S, Layout, is_shard, shard_dim
-from instruction_set.rules import Rule, rules_for
+from instruction_set.layouts import (P, PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
+                                     shard_dim)
+from instruction_set.mesh import Mesh
+from instruction_set.rules import Rule, product_rule, rules_for
 from instruction_set.shards import DimClasses
 
 
 @dataclass(frozen=True)
 class Restrictions:
-    """Limits on the program space (for the baselines); the default allows everything."""
+    """Limits on the program space (for the baselines); the default allows everything.
 
-    param_layouts: tuple[Layout, ...] | None = None   # None: R or any shard; ("R",): DP
-    input_layout: Layout | None = None                # force every input to this layout
-    shard_params_with_dims: int | None = None          # params of >= this many dims must shard
+    `param_layouts` may hold the wildcards "S*" (any one-level shard) and "R|S*" (replicated
+    across nodes, any shard inside a node)."""
+
+    param_layouts: tuple[Layout, ...] | None = None
+    input_layout: Layout | None = None
+    shard_params_with_dims: int | None = None   # params of >= this many dims must be split
+    no_batch_split_inside: bool = False          # no axis inside a node splits a batch dim
+    batch_split_only: bool = False               # no layout splits anything but batch dims
+    two_level: bool = True                       # allow two-level layouts
     allow_sfb: bool = True
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One instruction of a conversion path: kind, variant, source and target layouts."""
+    """One instruction of a conversion path: kind, variant, mesh axis, source and target."""
 
     kind: str
     variant: str
@@ -51,14 +61,15 @@ class Step:
     dst: Layout
     cost_s: float
     alternatives: tuple[tuple[str, float], ...] = ()
+    axis: str = "all"
 
 
-def rule_links(node: Node, metas: Sequence[TensorMeta], rules: Sequence[Rule]) -> list[tuple]:
+def rule_links(node: Node, rules: Sequence[Rule]) -> list[tuple]:
     """Pairs of linked (tensor, dim): every sharded entry of a rule with the first one."""
     links = []
     for rule in rules:
-        keys = [(node.name, shard_dim(rule.output))] if is_shard(rule.output) else []
-        keys += [(t, shard_dim(l)) for t, l in zip(node.inputs, rule.inputs) if is_shard(l)]
+        keys = [(node.name, shard_dim(rule.output))] if shard_dim(rule.output) is not None else []
+        keys += [(t, shard_dim(l)) for t, l in zip(node.inputs, rule.inputs) if shard_dim(l) is not None]
         links += [(keys[0], k) for k in keys[1:]]
     return links
 
@@ -75,10 +86,13 @@ class Problem:
         self.n = cluster.num_devices
         self.kinds: list[DeviceKind] = [cluster.device_kind(r) for r in range(self.n)]
         self.comm = CommModel(cluster)
+        mesh = self.comm.mesh
+        self.mesh = mesh if mesh.two_level and self.restrictions.two_level else Mesh(1, self.n, False)
         self.order: list[Node] = graph.calls
         self.index = {n.name: k for k, n in enumerate(self.order)}
-        self.rules = {n.name: rules_for(n, self.in_metas(n)) for n in self.order}
-        self.classes = self._classes()
+        base = {n.name: rules_for(n, self.in_metas(n)) for n in self.order}
+        self.classes = DimClasses(self._sizes(), [l for n in self.order for l in rule_links(n, base[n.name])])
+        self.rules = {n.name: self._rules(n, base[n.name]) for n in self.order}
         self._conv: dict[tuple[str, Layout, Layout], tuple[Step, ...] | None] = {}
         self._compute: dict[tuple[str, int], LinearCost] = {}
         self._shares: dict[tuple[str, Layout], tuple[float, ...]] = {}
@@ -106,30 +120,61 @@ class Problem:
     def is_multi(self, tensor: str) -> bool:
         return self.graph.node(tensor).multi_output
 
-    def _classes(self) -> DimClasses:
-        sizes = {(n.name, d): s for n in self.graph.nodes if n.outputs
-                 for d, s in enumerate(n.outputs[0].shape)}
-        links = [link for n in self.order for link in rule_links(n, self.in_metas(n), self.rules[n.name])]
-        return DimClasses(sizes, links)
+    def _sizes(self) -> dict[tuple[str, int], int]:
+        return {(n.name, d): s for n in self.graph.nodes if n.outputs for d, s in enumerate(n.outputs[0].shape)}
+
+    # -- the layout space -----------------------------------------------------------------
+    @cached_property
+    def batch_classes(self) -> frozenset[int]:
+        """Dim classes of the data's batch dim (dim 0 of every graph input)."""
+        return frozenset(self.classes.class_id(n.name, 0) for n in self.graph.nodes
+                         if n.op == "input" and n.outputs and n.outputs[0].shape)
+
+    def is_batch(self, tensor: str, placement: Layout) -> bool:
+        d = shard_dim(placement)
+        return d is not None and self.classes.class_id(tensor, d) in self.batch_classes
+
+    def allowed(self, tensor: str, layout: Layout) -> bool:
+        """Whether a layout is in the restricted space (Megatron: no batch split inside nodes)."""
+        if is_two_level(layout) and not self.mesh.two_level:
+            return False
+        outer, inner = axes(layout)
+        if self.restrictions.no_batch_split_inside and self.is_batch(tensor, inner):
+            return False
+        if self.restrictions.batch_split_only:
+            return all(not is_shard(p) or self.is_batch(tensor, p) for p in (outer, inner))
+        return True
+
+    def _batch_only(self, node: Node, rule: Rule) -> bool:
+        """An across-nodes rule: it splits only batch dims (or nothing)."""
+        entries = [(node.name, rule.output), *zip(node.inputs, rule.inputs)]
+        return all(self.is_batch(t, l) for t, l in entries if is_shard(l))
+
+    def _rules(self, node: Node, base: list[Rule]) -> list[Rule]:
+        rules = list(base)
+        if self.mesh.two_level:
+            outer = [r for r in base if self._batch_only(node, r)]
+            rules += [p for ro in outer for ri in base if ro is not ri
+                      for p in [product_rule(ro, ri)] if p is not None]
+        entries = lambda r: [(node.name, r.output), *zip(node.inputs, r.inputs)]
+        return [r for r in rules if all(self.allowed(t, l) for t, l in entries(r))]
 
     # -- shares and costs -----------------------------------------------------------------
     def shares(self, tensor: str, layout: Layout) -> tuple[float, ...]:
-        """Each device's share of `tensor` in `layout` (1 for non-shard layouts)."""
+        """Each device's fraction of `tensor`'s elements in `layout` (1 when not split)."""
         key = (tensor, layout)
         if key not in self._shares:
-            d = shard_dim(layout)
-            self._shares[key] = (tuple(self.classes.shares(tensor, d, self.ratios)) if d is not None
-                                 else (1.0,) * self.n)
+            self._shares[key] = (self.classes.rank_shares(tensor, layout, self.ratios, self.mesh)
+                                 if is_shard(layout) else (1.0,) * self.n)
         return self._shares[key]
 
     def rule_shares(self, node: Node, rule: Rule) -> tuple[float, ...]:
-        """Shares of the first sharded entry of a rule (all its sharded dims are linked)."""
-        if is_shard(rule.output):
-            return self.shares(node.name, rule.output)
-        for t, layout in zip(node.inputs, rule.inputs):
-            if is_shard(layout):
-                return self.shares(t, layout)
-        return (1.0,) * self.n
+        """Each device's fraction of the op's work: the smallest share among split entries."""
+        entries = [(node.name, rule.output), *zip(node.inputs, rule.inputs)]
+        split = [self.shares(t, l) for t, l in entries if is_shard(l)]
+        if not split:
+            return (1.0,) * self.n
+        return tuple(min(v) for v in zip(*split))
 
     def compute_linear(self, node: Node, rule_index: int) -> LinearCost:
         key = (node.name, rule_index)
@@ -141,13 +186,19 @@ class Problem:
 
     def compute_s(self, node: Node, rule_index: int) -> float:
         """Compute seconds of a node under a rule (plus the memory penalty, if any)."""
+        memo = self.memo.setdefault("compute_s", {})
+        key = (node.name, rule_index)
+        if key not in memo:
+            memo[key] = self._compute_s(node, rule_index)
+        return memo[key]
+
+    def _compute_s(self, node: Node, rule_index: int) -> float:
         rule = self.rules[node.name][rule_index]
         shares = self.rule_shares(node, rule)
         seconds = self.compute_linear(node, rule_index).at(shares)
         if self.memory_weight:
             sharded = is_shard(rule.output) or any(is_shard(l) for l in rule.inputs)
-            mem = activation_memory(node, sharded, self.n).per_device(shares)
-            seconds += self.memory_weight * max(mem)
+            seconds += self.memory_weight * max(activation_memory(node, sharded, self.n).per_device(shares))
         return seconds
 
     def storage_penalty(self, tensor: str, layout: Layout) -> float:
@@ -157,23 +208,33 @@ class Problem:
         mem = param_memory(self.meta(tensor).nbytes, is_shard(layout), self.n)
         return self.memory_weight * max(mem.per_device(self.shares(tensor, layout)))
 
-    def collective(self, tensor: str, kind: str, src: Layout, dst: Layout) -> Step:
+    # -- collectives ----------------------------------------------------------------------
+    def axis_shares(self, tensor: str, src: Layout, dst: Layout, axis: str) -> tuple[tuple[float, ...], float]:
+        """(each device's share of the split dim within its group, bytes moved per group)."""
+        nbytes = float(self.meta(tensor).nbytes)
+        if axis == "all":
+            return self.shares(tensor, dst if is_shard(dst) else src), nbytes
+        side = 1 if axis == "inner" else 0   # the side whose placement on this axis splits
+        outer, inner = axes(dst if is_shard(axes(dst)[side]) else src)
+        if axis == "inner":
+            held = self.shares(tensor, join(outer, R))  # what a node works on
+            part = self.shares(tensor, join(outer, inner))
+            return tuple(p / h if h else 0.0 for p, h in zip(part, held)), nbytes * max(held)
+        held = self.shares(tensor, join(R, inner))       # what one cross-node group works on
+        return self.shares(tensor, join(outer, R)), nbytes * max(held)
+
+    def collective(self, tensor: str, kind: str, src: Layout, dst: Layout, axis: str = "all") -> Step:
         """The cheapest allowed variant of one collective on `tensor`, with the alternatives."""
         memo = self.memo.setdefault("collective", {})
-        key = (tensor, kind, src, dst)
+        key = (tensor, kind, src, dst, axis)
         if key not in memo:
-            memo[key] = self._collective(tensor, kind, src, dst)
+            shares, nbytes = self.axis_shares(tensor, src, dst, axis)
+            grad = self.requires_grad(tensor)
+            allowed = self.restrictions.variants.get(kind, VARIANTS[kind])
+            options = [(v, self.comm.with_adjoint(kind, v, nbytes, grad, axis).at(shares)) for v in allowed]
+            variant, cost = min(options, key=lambda o: o[1])
+            memo[key] = Step(kind, variant, src, dst, cost, tuple(options) if len(options) > 1 else (), axis)
         return memo[key]
-
-    def _collective(self, tensor: str, kind: str, src: Layout, dst: Layout) -> Step:
-        meta = self.meta(tensor)
-        sharded = dst if is_shard(dst) else src
-        shares = self.shares(tensor, sharded)
-        allowed = self.restrictions.variants.get(kind, VARIANTS[kind])
-        options = [(v, self.comm.with_adjoint(kind, v, meta.nbytes, meta.requires_grad).at(shares))
-                   for v in allowed]
-        variant, cost = min(options, key=lambda o: o[1])
-        return Step(kind, variant, src, dst, cost, tuple(options) if len(options) > 1 else ())
 
     # -- conversions between layouts ------------------------------------------------------
     def shardable_dims(self, tensor: str) -> list[int]:
@@ -187,33 +248,61 @@ class Problem:
             self._conv[key] = min(paths, key=lambda p: sum(s.cost_s for s in p)) if paths else None
         return self._conv[key]
 
+    def _axis_step(self, tensor: str, a: Layout, b: Layout, src: Layout, dst: Layout, axis: str) -> Step | None:
+        """The instruction turning placement a into b along one axis (src -> dst overall)."""
+        if a == R and is_shard(b):
+            return Step("slice", "local", src, dst, 0.0, axis=axis)
+        if a == R and b == P:
+            return Step("partial", "local", src, dst, 0.0, axis=axis)
+        kinds = {(True, "R"): "all_gather", (True, "S"): "all_to_all", (False, "R"): "all_reduce",
+                 (False, "S"): "reduce_scatter"}
+        if is_shard(a) or a == P:
+            kind = kinds.get((is_shard(a), b[0]))
+            return self.collective(tensor, kind, src, dst, axis) if kind else None
+        if a == PMAX and b == R and axis == "all" and not self.requires_grad(tensor):
+            return self.collective(tensor, "all_reduce_max", src, dst, axis)
+        return None
+
     def _one(self, tensor: str, src: Layout, dst: Layout) -> Step | None:
         """A single instruction from src to dst, if one exists."""
-        if src == R and is_shard(dst):
-            return Step("slice", "local", src, dst, 0.0)
-        if src == R and dst == P:
-            return Step("partial", "local", src, dst, 0.0)
-        if is_shard(src) and dst == R:
-            return self.collective(tensor, "all_gather", src, dst)
-        if is_shard(src) and is_shard(dst):
-            return self.collective(tensor, "all_to_all", src, dst)
-        if src == P and dst == R:
-            return self.collective(tensor, "all_reduce", src, dst)
-        if src == P and is_shard(dst):
-            return self.collective(tensor, "reduce_scatter", src, dst)
-        if src == PMAX and dst == R and not self.requires_grad(tensor):
-            return self.collective(tensor, "all_reduce_max", src, dst)
-        return None
+        memo = self.memo.setdefault("one", {})
+        key = (tensor, src, dst)
+        if key not in memo:
+            memo[key] = self._single(tensor, src, dst)
+        return memo[key]
+
+    def _single(self, tensor: str, src: Layout, dst: Layout) -> Step | None:
+        options = []
+        if not is_two_level(src) and not is_two_level(dst):
+            options.append(self._axis_step(tensor, src, dst, src, dst, "all"))
+        if self.mesh.two_level:
+            (so, si), (do, di) = axes(src), axes(dst)
+            if so == do and si != di and PMAX not in (si, di):
+                options.append(self._axis_step(tensor, si, di, src, dst, "inner"))
+            if si == di and so != do and PMAX not in (so, do) and not self._nested(si, so, do):
+                options.append(self._axis_step(tensor, so, do, src, dst, "outer"))
+        options = [o for o in options if o is not None]
+        return min(options, key=lambda s: s.cost_s) if options else None
+
+    @staticmethod
+    def _nested(inner: Layout, *outers: Layout) -> bool:
+        """An inside split of the same dim as an across split: the node blocks would move."""
+        d = shard_dim(inner)
+        return d is not None and any(shard_dim(o) == d for o in outers)
+
+    def _mids(self, tensor: str, src: Layout, dst: Layout) -> list[Layout]:
+        mids = [R] + [S(d) for d in self.shardable_dims(tensor)]
+        if self.mesh.two_level:
+            (so, si), (do, di) = axes(src), axes(dst)
+            mids += [join(a, b) for a in (so, do) for b in (si, di)]
+        return [m for m in dict.fromkeys(mids) if m not in (src, dst) and self.allowed(tensor, m)]
 
     def _paths(self, tensor: str, src: Layout, dst: Layout) -> list[tuple[Step, ...] | None]:
         if src == dst or self.is_multi(tensor):
             return []
         one = self._one(tensor, src, dst)
         paths: list[tuple[Step, ...] | None] = [(one,) if one else None]
-        mids = [R] + [S(d) for d in self.shardable_dims(tensor)]
-        for mid in mids:
-            if mid in (src, dst):
-                continue
+        for mid in self._mids(tensor, src, dst):
             a, b = self._one(tensor, src, mid), self._one(tensor, mid, dst)
             if a and b:
                 paths.append((a, b))

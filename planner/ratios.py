@@ -4,15 +4,17 @@ Variables
     r_i in [0, 1]     share of device i in every sharded dim (one ratio vector)
     t_j >= 0          epigraph of instruction group j (instructions with equal cost forms)
 
-Every instruction's time is `max_i (a_ji + b_ji r_i)` (cost_models.linear_cost); identical
-(a, b) forms (the same op in every layer) form one group j with multiplicity m_j, and forms
-with b = 0 are constants K. The LP is
+Every instruction's time is `max_i (a_ji + b_ji s_i)` (cost_models.linear_cost) in shares s
+that are r_i itself (a split over all devices), or the sum of r over device i's node
+(`node`, a split across nodes only), or a constant at the current ratios (a split inside
+nodes only, `fixed`). Identical forms (the same op in every layer) form one group j with
+multiplicity m_j; forms without a ratio dependence are constants K. The LP is
 
     minimise    sum_j m_j t_j + K
     subject to  sum_i r_i = 1                                              (simplex)
-                t_j >= a_ji + b_ji r_i          for all compute groups j, devices i
-                t_j >= a_ji + b_ji r_i          for all communication groups j, devices i
-                sum_p f_pi + g_pi r_i <= capacity_i   for all devices i     (memory)
+                t_j >= a_ji + b_ji s_i(r)       for all compute groups j, devices i
+                t_j >= a_ji + b_ji s_i(r)       for all communication groups j, devices i
+                sum_p f_pi + g_pi s_pi(r) <= capacity_i   for all devices i (memory)
 
 with the memory forms f + g r of parameters, gradients, optimizer state and activations
 (cost_models.memory). Its optimum equals the program's predicted step time minimised over
@@ -55,67 +57,83 @@ def _solver() -> tuple[pulp.LpSolver, str]:
 
 
 def group_forms(terms: Sequence[Term], compute: bool) -> tuple[Counter, float]:
-    """Group share-dependent forms of one kind by (a, b); sum the constant ones."""
+    """Group ratio-dependent forms of one kind by (lp_kind, a, b); sum the constant ones."""
     forms: Counter = Counter()
     constant = 0.0
     for t in terms:
         if t.is_compute != compute:
             continue
-        if t.share_key is None or t.time.is_constant:
-            constant += t.time.at((1.0,) * len(t.time.a))
+        if t.lp_kind in ("none", "fixed") or t.time.is_constant:
+            constant += t.time.at(t.shares)
         else:
-            forms[(t.time.a, t.time.b)] += 1
+            forms[(t.lp_kind, t.time.a, t.time.b)] += 1
     return forms, constant
+
+
+def share_exprs(r: list[pulp.LpVariable], nodes: Sequence[int]) -> dict[str, list]:
+    """s_i(r) per lp kind: r_i, or the sum of r over device i's node."""
+    node_sum = {j: pulp.lpSum(r[i] for i in range(len(r)) if nodes[i] == j) for j in set(nodes)}
+    return {"flat": list(r), "node": [node_sum[nodes[i]] for i in range(len(r))]}
 
 
 def add_simplex(prob: pulp.LpProblem, r: list[pulp.LpVariable]) -> None:
     prob += pulp.lpSum(r) == 1, "simplex"
 
 
-def add_epigraphs(prob: pulp.LpProblem, r: list[pulp.LpVariable], forms: Counter,
+def add_epigraphs(prob: pulp.LpProblem, s: dict[str, list], forms: Counter,
                   name: str) -> pulp.LpAffineExpression:
     """One epigraph variable per form; returns the weighted sum for the objective."""
     objective = []
-    for j, ((a, b), count) in enumerate(forms.items()):
+    for j, ((kind, a, b), count) in enumerate(forms.items()):
         t = prob.add_variable(f"{name}_{j}", lowBound=0)
         for i, (ai, bi) in enumerate(zip(a, b)):
-            prob += t >= ai + bi * r[i], f"{name}_{j}_dev{i}"
+            prob += t >= ai + bi * s[kind][i], f"{name}_{j}_dev{i}"
         objective.append(count * t)
     return pulp.lpSum(objective)
 
 
-def memory_forms(terms: Sequence[Term], n: int) -> tuple[list[float], list[float]]:
-    """Per device: fixed bytes and bytes per unit share."""
-    fixed, per_share = [0.0] * n, [0.0] * n
+def memory_forms(terms: Sequence[Term], n: int) -> tuple[list[float], dict[str, list[float]]]:
+    """Per device: constant bytes, and bytes per unit share for each ratio-dependent kind."""
+    fixed = [0.0] * n
+    per_share = {"flat": [0.0] * n, "node": [0.0] * n}
     for t in terms:
         if t.memory is None:
             continue
         for i in range(n):
             fixed[i] += t.memory.fixed[i]
-            per_share[i] += t.memory.per_share[i]
+            if t.lp_kind in per_share:
+                per_share[t.lp_kind][i] += t.memory.per_share[i]
+            else:
+                fixed[i] += t.memory.per_share[i] * t.shares[i]
     return fixed, per_share
 
 
-def add_memory(prob: pulp.LpProblem, r: list[pulp.LpVariable], terms: Sequence[Term],
+def memory_expr(terms: Sequence[Term], s: dict[str, list], n: int) -> list:
+    fixed, per_share = memory_forms(terms, n)
+    return [fixed[i] + sum(per_share[k][i] * s[k][i] for k in per_share) for i in range(n)]
+
+
+def add_memory(prob: pulp.LpProblem, s: dict[str, list], terms: Sequence[Term],
                capacities_gib: Sequence[float]) -> None:
-    fixed, per_share = memory_forms(terms, len(r))
-    for i, cap in enumerate(capacities_gib):
-        prob += fixed[i] + per_share[i] * r[i] <= cap * GIB, f"memory_dev{i}"
+    for i, (mem, cap) in enumerate(zip(memory_expr(terms, s, len(capacities_gib)), capacities_gib)):
+        prob += mem <= cap * GIB, f"memory_dev{i}"
 
 
 def solve_ratios(terms: Sequence[Term], capacities_gib: Sequence[float], *,
-                 min_ratio: float = 0.0) -> RatioSolution:
-    """Optimal ratios for the program whose terms are given (raises MemoryInfeasible)."""
+                 nodes: Sequence[int] | None = None, min_ratio: float = 0.0) -> RatioSolution:
+    """Optimal ratios for the program whose terms are given (raises MemoryInfeasible).
+    `nodes[i]` is device i's node (for terms split across nodes only)."""
     start = time.perf_counter()
     n = len(capacities_gib)
     prob = pulp.LpProblem("sharding_ratios", pulp.LpMinimize)
     r = [prob.add_variable(f"r_{i}", lowBound=min_ratio, upBound=1) for i in range(n)]
+    s = share_exprs(r, nodes if nodes is not None else [0] * n)
     compute_forms, compute_const = group_forms(terms, compute=True)
     comm_forms, comm_const = group_forms(terms, compute=False)
     add_simplex(prob, r)
-    objective = add_epigraphs(prob, r, compute_forms, "compute") + add_epigraphs(prob, r, comm_forms, "comm")
+    objective = add_epigraphs(prob, s, compute_forms, "compute") + add_epigraphs(prob, s, comm_forms, "comm")
     prob += objective + compute_const + comm_const
-    add_memory(prob, r, terms, capacities_gib)
+    add_memory(prob, s, terms, capacities_gib)
     solver, name = _solver()
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
@@ -127,18 +145,19 @@ def solve_ratios(terms: Sequence[Term], capacities_gib: Sequence[float], *,
                          time.perf_counter() - start, name)
 
 
-def least_memory_overflow(terms: Sequence[Term], capacities_gib: Sequence[float]) -> tuple[tuple[float, ...], list[float]]:
+def least_memory_overflow(terms: Sequence[Term], capacities_gib: Sequence[float], *,
+                          nodes: Sequence[int] | None = None) -> tuple[tuple[float, ...], list[float]]:
     """Ratios minimising the largest memory overflow, and each device's overflow in GiB."""
     n = len(capacities_gib)
     prob = pulp.LpProblem("memory_overflow", pulp.LpMinimize)
     r = [prob.add_variable(f"r_{i}", lowBound=0, upBound=1) for i in range(n)]
     z = prob.add_variable("z")
     add_simplex(prob, r)
-    fixed, per_share = memory_forms(terms, n)
+    s = share_exprs(r, nodes if nodes is not None else [0] * n)
+    mem = memory_expr(terms, s, n)
     for i, cap in enumerate(capacities_gib):
-        prob += (fixed[i] + per_share[i] * r[i]) / GIB - cap <= z, f"overflow_dev{i}"
+        prob += mem[i] / GIB - cap <= z, f"overflow_dev{i}"
     prob += z
     prob.solve(_solver()[0])
-    ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
-    over = [(fixed[i] + per_share[i] * ratios[i]) / GIB - cap for i, cap in enumerate(capacities_gib)]
-    return ratios, over
+    over = [float(pulp.value(mem[i])) / GIB - cap for i, cap in enumerate(capacities_gib)]
+    return tuple(max(0.0, float(v.value() or 0.0)) for v in r), over

@@ -11,8 +11,8 @@ State. `(k, F)`: nodes v_0 .. v_{k-1} are computed and F is the set of layout fa
 `(tensor, layout)` held for *live* tensors, those with a consumer at index >= k (or the
 loss). HAP keeps every fact ever derived, so no two paths meet and its search time grows
 quadratically with depth; dropping dead tensors makes paths that reach the same frontier
-merge into one state. F is a bitset over the facts seen so far, so union, masking and
-hashing are integer operations.
+merge into one state. F is a frozenset of small integer fact ids, so union, filtering and
+hashing cost O(live facts) whatever the depth.
 
 Transitions. From `(k, F)`, for each rule of v_k: make each input available (free when in F;
 else the first storage of a graph input, or the cheapest conversion, planner.transitions),
@@ -44,15 +44,23 @@ states of one depth. At most `width` states are expanded per depth and *stratum*
 of f = g + h; a stratum is the set of facts a state holds about long-lived tensors (those
 read again more than `HORIZON` nodes later, such as a tied embedding), so that a choice
 whose price comes much later (store the embedding sharded now, all-gather it at the output
-layer) cannot crowd out the alternatives. `SearchResult.exact` is False when a state was
-left unexpanded for this reason. The number of expansions grows linearly with depth.
+layer) cannot crowd out the alternatives; at most `width * MAX_STRATA` states are expanded
+per depth in all. `SearchResult.exact` is False when a state was left unexpanded for this
+reason. The number of expansions grows linearly with depth.
+
+Lazy evaluation. Most generated states are never expanded, so a state enters the queue with
+the cheap admissible key g + C(k) and gets its full h when it first reaches the front; it is
+then re-queued with g + h. Expansion order is A*'s on the full heuristic.
 
 Incumbent. The caller may pass the cost of a known program (the data-parallel program, a
 point of the same space); states with f >= that cost are pruned (branch and bound, exact
 since h is admissible), and when nothing cheaper is found the search says so.
 
-Repeated blocks. Transitions depend only on the facts of the node's inputs, so they are
-memoised by (k, those facts); node costs and conversion costs are memoised in Problem.
+Repeated blocks. Transitions depend only on the node and on the facts of its inputs. They are
+memoised by a structural signature of the node (op, arguments, shapes, FLOPs, and per input
+its kind, dim classes' units, liveness and batch dims) and the input facts with tensors
+replaced by their argument position, so the layers of a repeated block share one set of
+transitions, renamed on use (planner.signature).
 """
 
 from __future__ import annotations
@@ -68,10 +76,12 @@ from instruction_set.layouts import P, R, Layout
 from instruction_set.program import Instruction
 from planner.bounds import ChainBound
 from planner.problem import Problem
+from planner.signature import Signatures, canonical_facts, canonical_move, instantiate
 from planner.transitions import Fact, Move, moves
 
 DEFAULT_WIDTH = 32
 HORIZON = 40  # nodes; facts of tensors read again later than this define a state's stratum
+MAX_STRATA = 4  # at most width * MAX_STRATA expansions per depth in all
 
 
 class SearchError(RuntimeError):
@@ -97,13 +107,12 @@ def compute_suffix(pb: Problem) -> list[float]:
 
 
 class _Facts:
-    """Bit numbering of layout facts, per-tensor masks and liveness masks."""
+    """Integer ids of layout facts, with each id's tensor, and tensors dying at each node."""
 
     def __init__(self, pb: Problem) -> None:
-        self.bit: dict[Fact, int] = {}
+        self.id: dict[Fact, int] = {}
         self.facts: list[Fact] = []
-        self.tensor_mask: dict[str, int] = {}
-        self.dead_after: list[tuple[str, ...]] = [() for _ in pb.order]
+        self.tensor: list[str] = []
         dead: list[list[str]] = [[] for _ in pb.order]
         for tensor, k in pb.last_use.items():
             if k < len(pb.order):
@@ -112,31 +121,29 @@ class _Facts:
             if node.name not in pb.last_use:
                 dead[k].append(node.name)  # computed but never read
         self.dead_after = [tuple(d) for d in dead]
+        self.dead_sets = [frozenset(d) for d in dead]
 
-    def encode(self, facts: frozenset[Fact]) -> int:
-        mask = 0
-        for f in facts:
-            b = self.bit.get(f)
-            if b is None:
-                b = self.bit[f] = len(self.facts)
-                self.facts.append(f)
-                self.tensor_mask[f[0]] = self.tensor_mask.get(f[0], 0) | (1 << b)
-            mask |= 1 << b
-        return mask
-
-    def decode(self, mask: int) -> frozenset[Fact]:
+    def encode(self, facts: frozenset[Fact]) -> frozenset[int]:
         out = []
-        while mask:
-            low = mask & -mask
-            out.append(self.facts[low.bit_length() - 1])
-            mask ^= low
+        for f in facts:
+            i = self.id.get(f)
+            if i is None:
+                i = self.id[f] = len(self.facts)
+                self.facts.append(f)
+                self.tensor.append(f[0])
+            out.append(i)
         return frozenset(out)
 
-    def mask_of(self, tensors) -> int:
-        m = 0
-        for t in tensors:
-            m |= self.tensor_mask.get(t, 0)
-        return m
+    def decode(self, ids: frozenset[int]) -> frozenset[Fact]:
+        return frozenset(self.facts[i] for i in ids)
+
+    def restrict(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
+        """The facts about these tensors."""
+        return frozenset(i for i in ids if self.tensor[i] in tensors)
+
+    def drop(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
+        """The facts about other tensors."""
+        return frozenset(i for i in ids if self.tensor[i] not in tensors) if tensors else ids
 
 
 class _Pending:
@@ -201,14 +208,19 @@ class _Search:
         self.F = _Facts(pb)
         self.pending = _Pending(pb)
         self.chains = ChainBound(pb)
-        self.memo: dict[tuple[int, int], list[tuple[Move, int]]] = {}
+        self.memo: dict[tuple[int, frozenset[int]], list[tuple[Move, frozenset[int]]]] = {}
+        self.inputs_of = [frozenset(node.inputs) for node in pb.order]
+        self.signatures = Signatures(pb, self.F.dead_after)
+        self.shared: dict[tuple, list[Move]] = {}
         self.report = _Progress(progress, self.n)
-        self.expanded_at: dict[tuple[int, int], int] = {}
+        self.expanded_at: dict[tuple[int, frozenset[int]], int] = {}
+        self.depth_total = [0] * (self.n + 1)
+        self.depth_cap = width * MAX_STRATA
         self.long_lived = self._long_lived()
-        self.h_memo: dict[tuple[int, int], float] = {}
+        self.h_memo: dict[tuple[int, frozenset[int]], float] = {}
         self.exact = True
 
-    def h(self, k: int, mask: int) -> float:
+    def h(self, k: int, mask: frozenset[int]) -> float:
         held: dict[str, set[Layout]] = {}
         for t, layout in self.F.decode(mask):
             held.setdefault(t, set()).add(layout)
@@ -216,21 +228,29 @@ class _Search:
         chains = max((self.chains.bound(t, frozenset(ls), k) for t, ls in held.items()), default=0.0)
         return self.C[k] + max(conversions, chains)
 
-    def f_bound(self, k: int, mask: int, g: float) -> float:
+    def f_bound(self, k: int, mask: frozenset[int], g: float) -> float:
         key = (k, mask)
         h = self.h_memo.get(key)
         if h is None:
             h = self.h_memo[key] = self.h(k, mask)
         return g + h
 
-    def successors(self, k: int, mask: int) -> list[tuple[Move, int]]:
-        node = self.pb.order[k]
-        key = (k, mask & self.F.mask_of(node.inputs))
+    def successors(self, k: int, mask: frozenset[int]) -> list[tuple[Move, frozenset[int]]]:
+        key = (k, self.F.restrict(mask, self.inputs_of[k]))
         if key not in self.memo:
-            self.memo[key] = [(m, self.F.encode(m.added)) for m in moves(self.pb, k, self.F.decode(key[1]))]
+            self.memo[key] = [(m, self.F.encode(m.added)) for m in self._moves(k, self.F.decode(key[1]))]
         return self.memo[key]
 
-    def _long_lived(self) -> list[tuple[str, ...]]:
+    def _moves(self, k: int, facts: frozenset[Fact]) -> list[Move]:
+        """moves() through the structural memo shared by repeated layers."""
+        names = self.signatures.names(k)
+        key = (self.signatures.of(k), canonical_facts(facts, names))
+        if key not in self.shared:
+            dead = frozenset(self.F.dead_after[k])
+            self.shared[key] = [canonical_move(m, names) for m in moves(self.pb, k, facts, dead)]
+        return [instantiate(m, names) for m in self.shared[key]]
+
+    def _long_lived(self) -> list[frozenset[str]]:
         """Per depth k: tensors live at k whose next read is more than HORIZON nodes away."""
         reads: dict[str, list[int]] = {}
         for j, node in enumerate(self.pb.order):
@@ -238,42 +258,46 @@ class _Search:
                 reads.setdefault(t, []).append(j)
         out = []
         for k in range(self.n + 1):
-            out.append(tuple(t for t, js in reads.items()
-                             if js[0] < k <= js[-1] and _next_read(js, k) > k + HORIZON))
+            out.append(frozenset(t for t, js in reads.items()
+                                 if js[0] < k <= js[-1] and _next_read(js, k) > k + HORIZON))
         return out
 
-    def stratum(self, k: int, mask: int) -> int:
-        return mask & self.F.mask_of(self.long_lived[k])
+    def stratum(self, k: int, mask: frozenset[int]) -> frozenset[int]:
+        return self.F.restrict(mask, self.long_lived[k])
 
     def run(self) -> tuple[int, dict, dict]:
-        start = (0, 0)
+        start = (0, frozenset())
         g: dict[tuple[int, int], float] = {start: 0.0}
         parent: dict[tuple[int, int], tuple | None] = {start: None}
         counter = itertools.count()
-        heap = [(self.h(0, 0), next(counter), start, 0.0)]
+        heap = [(self.h(0, start[1]), next(counter), start, 0.0, True)]
         expanded = 0
         while heap:
-            f, _, state, cost = heapq.heappop(heap)
+            f, _, state, cost, exact_f = heapq.heappop(heap)
             if cost > g[state]:
                 continue  # stale entry: the state was re-reached more cheaply
             k, mask = state
+            stratum = (k, self.stratum(k, mask))
+            if self.expanded_at.get(stratum, 0) >= self.width or self.depth_total[k] >= self.depth_cap:
+                self.exact = False  # keys only grow: states expanded at this depth were cheaper
+                continue
+            if not exact_f:  # pushed with the lower bound C(k): evaluate h now, re-queue
+                heapq.heappush(heap, (self.f_bound(k, mask, cost), next(counter), state, cost, True))
+                continue
             if k == self.n:
                 return state, g, parent
             if f >= self.incumbent:
                 continue  # branch and bound: cannot beat the known program
-            stratum = (k, self.stratum(k, mask))
-            if self.expanded_at.get(stratum, 0) >= self.width:
-                self.exact = False
-                continue
             self.expanded_at[stratum] = self.expanded_at.get(stratum, 0) + 1
+            self.depth_total[k] += 1
             expanded += 1
             self.report.tick(expanded, k, f)
             for move, bits in self.successors(k, mask):
-                nxt = (k + 1, (mask | bits) & ~self.F.mask_of(self.F.dead_after[k]))
+                nxt = (k + 1, self.F.drop(mask | bits, self.F.dead_sets[k]))
                 new = cost + move.cost
                 if new < g.get(nxt, float("inf")) - 1e-15:
                     g[nxt], parent[nxt] = new, (state, move)
-                    heapq.heappush(heap, (self.f_bound(k + 1, nxt[1], new), next(counter), nxt, new))
+                    heapq.heappush(heap, (new + self.C[k + 1], next(counter), nxt, new, False))
         if self.incumbent < float("inf"):
             return None, g, parent
         raise SearchError("no distributed program found: some op has no applicable rule")
@@ -296,7 +320,7 @@ def synthesize(pb: Problem, *, width: int = DEFAULT_WIDTH, progress: bool = True
     state = goal
     while parent[state] is not None:
         prev, move = parent[state]
-        program[:0] = [e.instruction() for e in move.instructions]
+        program[:0] = [e.instruction() for e in move.resolved()]
         state = prev
     loss_layouts = {layout for t, layout in search.F.decode(goal[1]) if t == pb.graph.loss}
     if P not in loss_layouts:

@@ -17,12 +17,13 @@ The output is added in the rule's output layout. `Move` records the instructions
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import product
 
 from cost_models.comm import VARIANTS
 from instruction_set.graph import Node
-from instruction_set.layouts import R, S, Layout, is_shard, shard_dim
+from instruction_set.layouts import R, S, Layout, is_shard, is_two_level, join, shard_dim
 from instruction_set.program import Instruction
 from instruction_set.rules import Rule
 from planner.problem import Problem, Step
@@ -37,6 +38,14 @@ class Move:
     cost: float
     added: frozenset[Fact]
     instructions: tuple["Emit", ...]
+    names: dict[str, str] | None = None  # tensor renaming of shared (canonical) instructions
+
+    def resolved(self) -> tuple["Emit", ...]:
+        if self.names is None:
+            return self.instructions
+        rename = lambda n: self.names.get(n, n)
+        return tuple(dataclasses.replace(e, tensor=rename(e.tensor), node=rename(e.node))
+                     for e in self.instructions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,7 @@ class Emit:
     phase: str = "forward"
     predicted_s: float = 0.0
     alternatives: tuple[tuple[str, float], ...] = ()
+    axis: str = "all"
 
     def instruction(self) -> Instruction:
         fields = {k: getattr(self, k) for k in self.__slots__}
@@ -76,7 +86,8 @@ def _emit(**fields) -> Emit:
 
 def _conversion_instructions(tensor: str, steps: tuple[Step, ...]) -> tuple[Emit, ...]:
     return tuple(_emit(kind=s.kind, tensor=tensor, src=s.src, layout=s.dst, variant=s.variant,
-                       predicted_s=s.cost_s, alternatives=dict(s.alternatives)) for s in steps)
+                       predicted_s=s.cost_s, alternatives=dict(s.alternatives), axis=s.axis)
+                 for s in steps)
 
 
 def _convert(pb: Problem, tensor: str, have: set[Layout], want: Layout) -> _Option | None:
@@ -100,18 +111,30 @@ def _cheapest_conversion(pb: Problem, tensor: str, have: set[Layout], want: Layo
 # -- storage of graph inputs ---------------------------------------------------------------
 
 def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
+    """Where a graph input may live: data by rows (S0, or S0|R on a two-level mesh) or whole;
+    parameters whole, split over all devices (S<d>) or inside each node (R|S<d>)."""
     dims = pb.shardable_dims(node.name)
+    two = pb.mesh.two_level
     if node.op == "buffer":
-        return [R]
-    if node.op == "input":
+        layouts = [R]
+    elif node.op == "input":
         forced = pb.restrictions.input_layout
-        return [forced] if forced else [R] + ([S(0)] if 0 in dims else [])
+        layouts = [forced] if forced else [R] + ([S(0)] + ([join(S(0), R)] if two else []) if 0 in dims else [])
+    else:
+        layouts = [R] + [S(d) for d in dims] + ([join(R, S(d)) for d in dims] if two else [])
+        layouts = _restrict_params(pb, node, layouts)
+    return [l for l in layouts if pb.allowed(node.name, l)]
+
+
+def _restrict_params(pb: Problem, node: Node, layouts: list[Layout]) -> list[Layout]:
     allowed = pb.restrictions.param_layouts
-    layouts = list(allowed) if allowed is not None else [R] + [S(d) for d in dims]
+    if allowed is not None:
+        wild = lambda l: "S*" if l.startswith("S") else ("R|S*" if l.startswith("R|S") else l)
+        layouts = [l for l in layouts if l in allowed or wild(l) in allowed]
     ndim_min = pb.restrictions.shard_params_with_dims
-    if ndim_min is not None and len(node.out.shape) >= ndim_min and dims:
+    if ndim_min is not None and len(node.out.shape) >= ndim_min:
         layouts = [l for l in layouts if is_shard(l)] or layouts
-    return [l for l in layouts if l == R or shard_dim(l) in dims]
+    return layouts
 
 
 def _grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None) -> Emit:
@@ -124,6 +147,24 @@ def _grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None) -> Em
     return memo[key]
 
 
+def replica_sync(pb: Problem, param: str, layout: Layout) -> Emit | None:
+    """Backward all-reduce over the axes along which a stored parameter is replicated:
+    every device for R (bucketed, any variant), across nodes for R|S<d>, none for S<d>."""
+    meta = pb.meta(param)
+    if not meta.requires_grad or (is_shard(layout) and not is_two_level(layout)):
+        return None
+    if layout == R:
+        cost = pb.comm.gradient_allreduce(meta.nbytes)
+        axis = "all"
+    else:
+        held = max(pb.shares(param, layout))
+        cost = pb.comm.gradient_allreduce(meta.nbytes * held, axis="outer")
+        axis = "outer"
+    seconds = cost.at((1.0,) * pb.n)
+    return _emit(kind="all_reduce", tensor=param, layout=layout, src="P", phase="backward",
+                 variant="bucketed", predicted_s=seconds, axis=axis)
+
+
 def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None) -> Emit:
     meta = pb.meta(param)
     allreduce = pb.comm.gradient_allreduce(meta.nbytes).at((1.0,) * pb.n)
@@ -133,7 +174,7 @@ def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None
         return _emit(kind="sfb", tensor=param, layout=R, src="P", node=consumer.name,
                      phase="backward", variant=sfb[1], predicted_s=sfb[0], alternatives=options)
     return _emit(kind="all_reduce", tensor=param, layout=R, src="P", phase="backward",
-                 variant="ring", predicted_s=allreduce, alternatives=options)
+                 variant="bucketed", predicted_s=allreduce, alternatives=options)
 
 
 def sfb_applicable(pb: Problem, param: str, consumer: Node, rule: Rule) -> bool:
@@ -144,7 +185,8 @@ def sfb_applicable(pb: Problem, param: str, consumer: Node, rule: Rule) -> bool:
         return False
     x_layout = rule.inputs[0]
     ndim = len(pb.meta(consumer.inputs[0]).shape)
-    return is_shard(x_layout) and shard_dim(x_layout) < ndim - 1 and is_shard(rule.output)
+    d = shard_dim(x_layout)
+    return d is not None and d < ndim - 1 and shard_dim(rule.output) is not None
 
 
 def _sfb_cost(pb: Problem, param: str, consumer: Node, rule: Rule) -> tuple[float, str] | None:
@@ -165,6 +207,10 @@ def _store(pb: Problem, tensor: str, want: Layout, consumer: Node, rule: Rule) -
         if node.op == "param" and layout == R and node.out.requires_grad:
             sync = _grad_sync(pb, tensor, consumer, rule if want == R else None)
             cost, extra = cost + sync.predicted_s, (sync,)
+        elif node.op == "param" and is_two_level(layout):
+            sync = replica_sync(pb, tensor, layout)
+            if sync is not None:
+                cost, extra = cost + sync.predicted_s, (sync,)
         option = _Option(cost, ((tensor, layout),), (first,) + extra)
         if layout != want:
             conv = _convert(pb, tensor, {layout}, want)
@@ -188,13 +234,15 @@ def _input_options(pb: Problem, tensor: str, want: Layout, have: set[Layout], co
     return [conv] if conv is not None else []
 
 
-def moves(pb: Problem, k: int, facts: frozenset[Fact]) -> list[Move]:
-    """Every transition at node k from a state holding `facts` (the node's inputs' facts)."""
+def moves(pb: Problem, k: int, facts: frozenset[Fact], dead: frozenset[str] = frozenset()) -> list[Move]:
+    """The transitions at node k from a state holding `facts` (the node's inputs' facts):
+    of the moves that leave the same facts about tensors still live after node k (`dead`
+    are the tensors read for the last time at k), only the cheapest."""
     node = pb.order[k]
     have: dict[str, set[Layout]] = {}
     for t, layout in facts:
         have.setdefault(t, set()).add(layout)
-    out = []
+    best: dict[frozenset[Fact], Move] = {}
     for ri, rule in enumerate(pb.rules[node.name]):
         if _stores_twice(pb, node, rule, have):
             continue
@@ -203,14 +251,21 @@ def moves(pb: Problem, k: int, facts: frozenset[Fact]) -> list[Move]:
             options = _input_options(pb, t, want, have.get(t, set()), node, rule)
             if not options:
                 break
-            per_input.append(options)
+            per_input.append(_cheapest_if_dead(options, t in dead))
         else:
             compute = _emit(kind="compute", tensor=node.name, node=node.name, layout=rule.output,
-                                  inputs=rule.inputs, local=rule.local,
-                                  predicted_s=pb.compute_s(node, ri))
+                            inputs=rule.inputs, local=rule.local, predicted_s=pb.compute_s(node, ri))
             for combo in product(*per_input):
-                out.append(_combine(ri, compute, combo, node.name, rule.output))
-    return out
+                move = _combine(ri, compute, combo, node.name, rule.output)
+                key = frozenset(f for f in move.added if f[0] not in dead)
+                if key not in best or move.cost < best[key].cost:
+                    best[key] = move
+    return list(best.values())
+
+
+def _cheapest_if_dead(options: list[_Option], dead: bool) -> list[_Option]:
+    """A tensor read for the last time leaves no facts: only the cheapest option matters."""
+    return [min(options, key=lambda o: o.cost)] if dead and len(options) > 1 else options
 
 
 def _stores_twice(pb: Problem, node: Node, rule: Rule, have: dict[str, set[Layout]]) -> bool:

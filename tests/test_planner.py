@@ -53,12 +53,19 @@ def test_other_version_is_refused(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) ->
 
 def test_every_sharded_layout_has_lengths(gpt_a100_t4: hetsynth.Plan) -> None:
     plan = gpt_a100_t4
+    nodes, per_node = plan.mesh
     for ins in plan.instructions:
-        if ins.layout.startswith("S"):
-            lengths = plan.lengths(ins.tensor, ins.layout)
-            dim = int(ins.layout[1:])
-            assert sum(lengths) == plan.graph.node(ins.tensor).outputs[0].shape[dim]
+        if "S" not in ins.layout:
+            continue
+        for dim, lengths in plan.lengths(ins.tensor, ins.layout).items():
+            size = plan.graph.node(ins.tensor).outputs[0].shape[dim]
             assert len(lengths) == plan.cluster.num_devices
+            if "|" not in ins.layout:       # split over all devices
+                assert sum(lengths) == size
+            elif ins.layout.split("|")[0] == f"S{dim}":   # across nodes: one block per node
+                assert sum(lengths[::per_node]) == size
+            else:                           # inside every node
+                assert all(sum(lengths[j * per_node:(j + 1) * per_node]) == size for j in range(nodes))
 
 
 def test_homogeneous_cluster_gives_even_ratios() -> None:

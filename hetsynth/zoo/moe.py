@@ -69,8 +69,9 @@ class Top2MoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
-        nn.init.normal_(self.w1, std=0.02)
-        nn.init.normal_(self.w2, std=0.02)
+        if not self.w1.is_meta:  # the meta device has no values to initialise
+            nn.init.normal_(self.w1, std=0.02)
+            nn.init.normal_(self.w2, std=0.02)
 
     def _routing(self, gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (combine[g,s,e,c], dispatch[g,s,e,c], top-1 mask[g,s,e])."""

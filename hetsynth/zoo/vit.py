@@ -59,8 +59,9 @@ class ViT(nn.Module):
         self.ln = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.num_classes)
         init_gpt_style(self)
-        nn.init.normal_(self.cls, std=0.02)
-        nn.init.normal_(self.pos, std=0.02)
+        if not self.cls.is_meta:
+            nn.init.normal_(self.cls, std=0.02)
+            nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.patch(images).flatten(2).transpose(1, 2)  # [B, patches, hidden]

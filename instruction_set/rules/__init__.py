@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import R, Layout
+from instruction_set.layouts import PMAX, R, Layout, join
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,31 @@ class Rule:
     inputs: tuple[Layout, ...]
     output: Layout
     local: str = ""
+    pair: tuple["Rule", "Rule"] | None = None  # (across nodes, inside a node) of a two-level rule
+
+
+def product_rule(outer: Rule, inner: Rule) -> Rule | None:
+    """The two-level rule applying `outer` across nodes and `inner` inside each node.
+
+    Layouts join per input and for the output (instruction_set.layouts.join). A local rewrite
+    present on one axis only is tagged with it: `once:1@outer` adds input 1 on the ranks of
+    node 0 only, `once:1@inner` on local rank 0 of every node; on both axes it stays `once:1`
+    (rank 0 only). Pmax exists one-level only, so rules mixing it are dropped."""
+    layouts = list(zip(outer.inputs, inner.inputs)) + [(outer.output, inner.output)]
+    if any((a == PMAX) != (b == PMAX) for a, b in layouts):
+        return None
+    return Rule(tuple(join(a, b) for a, b in zip(outer.inputs, inner.inputs)),
+                join(outer.output, inner.output), _join_local(outer.local, inner.local), (outer, inner))
+
+
+def _join_local(outer: str, inner: str) -> str:
+    if outer == inner:
+        return outer
+    parts = []
+    for local, axis in ((outer, "outer"), (inner, "inner")):
+        if local:
+            parts.append(f"{local}@{axis}" if local.startswith("once:") else local)
+    return ",".join(parts)
 
 
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[Rule]]
@@ -68,7 +93,14 @@ def rules_for(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
         return replicated(node, metas)
     rules = _REGISTRY[node.target](node, metas)
     assert any(r.output == R and all(i == R for i in r.inputs) for r in rules), node.target
-    return _dedup(rules)
+    return [r for r in _dedup(rules) if _partials_are_float(r, node, metas)]
+
+
+def _partials_are_float(rule: Rule, node: Node, metas: tuple[TensorMeta, ...]) -> bool:
+    """Partial sums are kept for floating-point tensors only."""
+    if rule.output[0] == "P" and not node.outputs[0].is_float:
+        return False
+    return all(layout[0] != "P" or m.is_float for layout, m in zip(rule.inputs, metas))
 
 
 def _dedup(rules: list[Rule]) -> list[Rule]:

@@ -2,7 +2,7 @@
 
 sum / mean / amax over dims `D`: an input sharded on d not in D stays sharded (on the shifted
 dim without keepdim); sharded on d in D gives P for sum, P for mean (local sum divided by the
-global count, `mean_global`) and Pmax for amax. sum and mean are linear: P -> P.
+global count, `mean_global`) and Pmax for amax (`amax_sharded`: -inf over an empty shard). sum and mean are linear: P -> P.
 
 argmax, topk, cumsum along `dim`: shardable on every other dim (cumsum is linear: P -> P).
 one_hot: shardable on every input dim. gather(x, dim, idx): shardable on d != dim (x and idx);
@@ -41,7 +41,7 @@ def _reduction(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
         if d not in reduced:
             rules.append(Rule((S(d),), S(d if keepdim else d - sum(r < d for r in reduced))))
         elif kind == "amax":
-            rules.append(Rule((S(d),), PMAX))
+            rules.append(Rule((S(d),), PMAX, "amax_sharded"))
         else:
             rules.append(Rule((S(d),), P, "mean_global" if kind == "mean" else ""))
     return rules

@@ -1,0 +1,185 @@
+"""What one rank computes for an op under a rule: the op on its local shards, rewritten.
+
+`emit_local` turns a reference-graph node, one of its rules and a rank's `LocalContext` into
+calls on a `Builder`: an eager builder runs them on tensors (the single-process rule tests),
+the runtime's builder adds them to a torch.fx graph (runtime.codegen). One code path, so the
+rules tested in one process are the rules the runtime executes. Rewrites:
+
+- shape arguments (view sizes, expand sizes) become the local output shape;
+- `once:i` (optionally `@outer` / `@inner`): input i is an addend (a bias, a replicated
+  term added to a Partial) that must count once in the sum over ranks, so ranks other than
+  the keeper use zeros instead;
+- `mean_global`: a mean over a split dim is the local sum divided by the global count;
+- `gather_sharded` / `embedding_sharded`: a rank holding rows [offset, offset + len) of the
+  table looks up the indices in that range and contributes zeros for the others (P output);
+- `amax_sharded`: a max over a split dim that tolerates an empty local shard (-inf).
+
+The functions below are what the generated per-rank programs call (they appear in
+`hetsynth explain` output as `instruction_set.local.<name>`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from instruction_set.args import decode_arg
+from instruction_set.graph import Node
+from instruction_set.interpret import resolve_target
+from instruction_set.rules import SHAPE_ARG
+
+
+class Builder(Protocol):
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
+
+
+class EagerBuilder:
+    """Runs each call immediately on tensors."""
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class LocalContext:
+    """One rank's view of a node under a rule."""
+
+    out_shapes: tuple[tuple[int, ...], ...]      # local shape of each output
+    device: torch.device = torch.device("cpu")
+    dropped: frozenset[int] = frozenset()        # input positions replaced by zeros (not keeper)
+    offsets: dict[int, int] = field(default_factory=dict)  # input position -> start of its shard
+    global_count: int = 1                        # elements averaged by a global mean
+
+
+# -- local rewrites called by generated programs ----------------------------------------------
+
+def mean_global(x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool, count: int,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Local sum over `dims` divided by the number of elements averaged globally."""
+    total = torch.sum(x, dim=list(dims) if dims else None, keepdim=keepdim, dtype=dtype)
+    return total / count
+
+
+def gather_sharded(x: torch.Tensor, dim: int, index: torch.Tensor, offset: int) -> torch.Tensor:
+    """gather along a dim of which this rank holds [offset, offset + x.shape[dim]); zeros for
+    indices outside. The ranks' results sum to the full gather."""
+    size = x.shape[dim]
+    local = index - offset
+    inside = (local >= 0) & (local < size)
+    if size == 0:
+        shape = list(x.shape)
+        shape[dim] = index.shape[dim]
+        return x.new_zeros(index.shape) if x.dim() == index.dim() else x.new_zeros(shape)
+    picked = torch.gather(x, dim, local.clamp(0, size - 1))
+    return picked * inside.to(picked.dtype)
+
+
+def embedding_sharded(weight: torch.Tensor, indices: torch.Tensor, offset: int,
+                      padding_idx: int = -1) -> torch.Tensor:
+    """Lookup in rows [offset, offset + len) of the table; zeros for other ids."""
+    rows = weight.shape[0]
+    local = indices - offset
+    inside = (local >= 0) & (local < rows)
+    if rows == 0:
+        return weight.new_zeros((*indices.shape, weight.shape[1]))
+    pad = padding_idx - offset if padding_idx >= 0 and 0 <= padding_idx - offset < rows else None
+    out = F.embedding(local.clamp(0, rows - 1), weight, padding_idx=pad)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def amax_sharded(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
+    """amax that gives -inf over an empty local shard (its result is Pmax)."""
+    dims = sorted(d % x.dim() for d in dims) if dims else list(range(x.dim()))
+    if all(x.shape[d] > 0 for d in dims):
+        return torch.amax(x, dims, keepdim)
+    if keepdim:
+        shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    else:
+        shape = [s for d, s in enumerate(x.shape) if d not in dims]
+    return x.new_full(shape, float("-inf"))
+
+
+def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           stride: Sequence[int] = (1, 1), padding: Sequence[int] | str = (0, 0),
+           dilation: Sequence[int] = (1, 1), groups: int = 1) -> torch.Tensor:
+    """conv2d that accepts zero-length channel shards (torch rejects an empty weight)."""
+    if weight.shape[0] > 0 and weight.shape[1] > 0:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    probe = F.conv2d(x.new_zeros(x.shape[0], max(weight.shape[1], 1) * groups, *x.shape[2:]),
+                     weight.new_zeros(1, max(weight.shape[1], 1), *weight.shape[2:]), None,
+                     stride, padding, dilation, groups)
+    out = probe.new_zeros(probe.shape[0], weight.shape[0], *probe.shape[2:])
+    out = out + (x.sum() * 0 + weight.sum() * 0)  # keep both in the autograd graph
+    return out + bias.view(1, -1, 1, 1) if bias is not None else out
+
+
+def _channel_tolerant(pool: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A pooling op that accepts a zero-length channel shard (torch rejects 0 channels)."""
+
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if x.dim() == 4 and x.shape[1] == 0:
+            probe = pool(x.new_zeros(x.shape[0], 1, *x.shape[2:]), *args, **kwargs)
+            return probe[:, :0] + x.sum() * 0
+        return pool(x, *args, **kwargs)
+
+    run.__name__ = run.__qualname__ = pool.__name__.split(".")[-1] + "_any_channels"
+    return run
+
+
+max_pool2d = _channel_tolerant(torch.ops.aten.max_pool2d.default)
+avg_pool2d = _channel_tolerant(torch.ops.aten.avg_pool2d.default)
+adaptive_avg_pool2d = _channel_tolerant(torch.ops.aten.adaptive_avg_pool2d.default)
+
+# Ops run through a size-tolerant wrapper on every rank.
+LOCAL_TARGETS: dict[str, Callable[..., Any]] = {
+    "aten.conv2d.default": conv2d,
+    "aten.max_pool2d.default": max_pool2d,
+    "aten.avg_pool2d.default": avg_pool2d,
+    "aten.adaptive_avg_pool2d.default": adaptive_avg_pool2d,
+}
+
+
+# -- emitting a node -----------------------------------------------------------------------------
+
+def _resolver(values: Sequence[Any]) -> Callable[[str], Any]:
+    it: Iterator[Any] = iter(values)
+    return lambda _name: next(it)
+
+
+def _inputs(node: Node, inputs: Sequence[Any], ctx: LocalContext, builder: Builder) -> list[Any]:
+    return [builder.call(torch.zeros_like, (v,), {}) if i in ctx.dropped else v
+            for i, v in enumerate(inputs)]
+
+
+def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext, builder: Builder) -> Any:
+    """Emit the rank-local computation of `node`; `inputs` are its inputs' local values in
+    Node.inputs order (already in the rule's layouts)."""
+    values = _inputs(node, inputs, ctx, builder)
+    args = list(node.args)
+    if node.target in SHAPE_ARG and SHAPE_ARG[node.target] < len(args):
+        args[SHAPE_ARG[node.target]] = list(ctx.out_shapes[0])
+    resolve = _resolver(values)
+    a = tuple(decode_arg(args, resolve, ctx.device))
+    k = {name: decode_arg(v, resolve, ctx.device) for name, v in node.kwargs.items()}
+    kinds = set(part.split("@")[0].split(":")[0] for part in local.split(",") if part)
+    if "mean_global" in kinds:
+        return builder.call(mean_global, *_mean_args(node, a, k, ctx))
+    if "gather_sharded" in kinds:
+        return builder.call(gather_sharded, (a[0], a[1], a[2], ctx.offsets[0]), {})
+    if "embedding_sharded" in kinds:
+        pad = a[2] if len(a) > 2 else k.get("padding_idx", -1)
+        return builder.call(embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {})
+    if "amax_sharded" in kinds:
+        return builder.call(amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False), {})
+    return builder.call(LOCAL_TARGETS.get(node.target) or resolve_target(node.target), a, k)
+
+
+def _mean_args(node: Node, a: tuple, k: dict, ctx: LocalContext) -> tuple[tuple, dict]:
+    if node.target == "aten.mean.default":
+        return (a[0], None, False, ctx.global_count), {"dtype": k.get("dtype")}
+    dims = a[1] if len(a) > 1 else k.get("dim")
+    keepdim = a[2] if len(a) > 2 else k.get("keepdim", False)
+    return (a[0], dims, keepdim, ctx.global_count), {"dtype": k.get("dtype")}

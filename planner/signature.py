@@ -1,0 +1,97 @@
+"""Structural signatures of graph nodes, so repeated layers share search transitions.
+
+Two nodes with equal signatures (same op, arguments, shapes and FLOPs; inputs of the same
+kind, metadata, dim-class units, batch dims and liveness) have the same rules, costs and
+storage options, so their transitions differ only in tensor names. A transition is stored
+with the node's distinct input tensors replaced by `#0`, `#1`, ... and its output by `#out`,
+and renamed back for the node at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+from planner.problem import Problem
+from planner.transitions import Emit, Fact, Move
+
+OUT = "#out"
+
+
+class Signatures:
+    def __init__(self, pb: Problem, dead_after: Sequence[tuple[str, ...]]) -> None:
+        self.pb, self.dead_after = pb, dead_after
+        self._sig: dict[int, tuple] = {}
+        self._names: dict[int, tuple[str, ...]] = {}
+
+    def names(self, k: int) -> tuple[str, ...]:
+        """The node's distinct input tensors in argument order, then the node itself."""
+        if k not in self._names:
+            node = self.pb.order[k]
+            self._names[k] = tuple(dict.fromkeys(node.inputs)) + (node.name,)
+        return self._names[k]
+
+    def of(self, k: int) -> tuple:
+        if k not in self._sig:
+            self._sig[k] = self._signature(k)
+        return self._sig[k]
+
+    def _tensor(self, tensor: str, k: int) -> tuple:
+        pb = self.pb
+        node = pb.graph.node(tensor)
+        meta = node.outputs[0]
+        dims = []
+        for d in range(len(meta.shape)):
+            cls = pb.classes.classes[pb.classes.class_of[(tensor, d)]]
+            dims.append((cls.root_size, cls.unit, pb.classes.class_id(tensor, d) in pb.batch_classes))
+        single_use = node.op == "param" and pb.graph.consumers.get(tensor) == (pb.order[k].name,)
+        return (node.op, meta.shape, meta.dtype, meta.requires_grad, node.multi_output,
+                tensor in self.dead_after[k], single_use, tuple(dims))
+
+    def _signature(self, k: int) -> tuple:
+        node = self.pb.order[k]
+        names = self.names(k)
+        position = {t: f"#{i}" for i, t in enumerate(names[:-1])}
+
+        def canon(value):
+            if isinstance(value, list):
+                return [canon(v) for v in value]
+            if isinstance(value, dict) and "ref" in value:
+                return {"ref": position[value["ref"]]}
+            return value
+
+        args = json.dumps([canon(list(node.args)), {k2: canon(v) for k2, v in node.kwargs.items()}],
+                          sort_keys=True, default=str)
+        return (node.target, args, node.flops_fwd, node.flops_bwd, node.fallback,
+                tuple(self._tensor(t, k) for t in names))
+
+
+def canonical_facts(facts: frozenset[Fact], names: tuple[str, ...]) -> frozenset[Fact]:
+    token = _tokens(names)
+    return frozenset((token[t], layout) for t, layout in facts)
+
+
+def _tokens(names: tuple[str, ...]) -> dict[str, str]:
+    token = {t: f"#{i}" for i, t in enumerate(names[:-1])}
+    token[names[-1]] = OUT
+    return token
+
+
+def canonical_move(move: Move, names: tuple[str, ...]) -> Move:
+    token = _tokens(names)
+    rename = lambda name: token.get(name, name)
+    instructions = tuple(dataclasses.replace(e, tensor=rename(e.tensor), node=rename(e.node))
+                         for e in move.resolved())
+    added = frozenset((rename(t), layout) for t, layout in move.added)
+    return Move(move.rule_index, move.cost, added, instructions)
+
+
+def instantiate(move: Move, names: tuple[str, ...]) -> Move:
+    """The canonical move for this node: facts renamed now, instructions when resolved."""
+    back = {v: k for k, v in _tokens(names).items()}
+    added = frozenset((back.get(t, t), layout) for t, layout in move.added)
+    return Move(move.rule_index, move.cost, added, move.instructions, back)
+
+
+__all__ = ["Emit", "Signatures", "canonical_facts", "canonical_move", "instantiate"]
