@@ -33,13 +33,13 @@ from instruction_set.rules import SHAPE_ARG
 
 
 class Builder(Protocol):
-    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, name: str | None = None) -> Any: ...
 
 
 class EagerBuilder:
     """Runs each call immediately on tensors."""
 
-    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, name: str | None = None) -> Any:
         return fn(*args, **kwargs)
 
 
@@ -164,17 +164,39 @@ def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext,
     resolve = _resolver(values)
     a = tuple(decode_arg(args, resolve, ctx.device))
     k = {name: decode_arg(v, resolve, ctx.device) for name, v in node.kwargs.items()}
-    kinds = set(part.split("@")[0].split(":")[0] for part in local.split(",") if part)
+    kinds = local_kinds(local)
+    name = node.name
     if "mean_global" in kinds:
-        return builder.call(mean_global, *_mean_args(node, a, k, ctx))
+        return builder.call(mean_global, *_mean_args(node, a, k, ctx), name=name)
     if "gather_sharded" in kinds:
-        return builder.call(gather_sharded, (a[0], a[1], a[2], ctx.offsets[0]), {})
+        return builder.call(gather_sharded, (a[0], a[1], a[2], ctx.offsets[0]), {}, name=name)
     if "embedding_sharded" in kinds:
         pad = a[2] if len(a) > 2 else k.get("padding_idx", -1)
-        return builder.call(embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {})
+        return builder.call(embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {}, name=name)
     if "amax_sharded" in kinds:
-        return builder.call(amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False), {})
-    return builder.call(LOCAL_TARGETS.get(node.target) or resolve_target(node.target), a, k)
+        return builder.call(amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False),
+                            {}, name=name)
+    return builder.call(LOCAL_TARGETS.get(node.target) or resolve_target(node.target), a, k, name=name)
+
+
+def local_kinds(local: str) -> set[str]:
+    """'once:2@outer,mean_global' -> {'once', 'mean_global'}."""
+    return {part.split("@")[0].split(":")[0] for part in local.split(",") if part}
+
+
+def dropped_inputs(local: str, node_index: int, local_index: int) -> frozenset[int]:
+    """Inputs a rank replaces by zeros: `once:i` keeps input i on rank (0, 0) only, `@outer`
+    on the ranks of node 0, `@inner` on local rank 0 of every node."""
+    out = set()
+    for part in local.split(","):
+        if not part.startswith("once:"):
+            continue
+        spec, _, axis = part[5:].partition("@")
+        keep = {"": node_index == 0 and local_index == 0, "outer": node_index == 0,
+                "inner": local_index == 0}[axis]
+        if not keep:
+            out.add(int(spec))
+    return frozenset(out)
 
 
 def _mean_args(node: Node, a: tuple, k: dict, ctx: LocalContext) -> tuple[tuple, dict]:

@@ -128,8 +128,7 @@ class DimClasses:
             blocks = [sum(flat[r] for r in mesh.node_ranks(j)) for j in range(mesh.num_nodes)]
             out[d_out] = tuple(blocks[mesh.node(r)] for r in range(mesh.size))
         if d_in is not None:
-            per_node = [self.lengths(tensor, d_in, [ratios[r] for r in mesh.node_ranks(j)])
-                        for j in range(mesh.num_nodes)]
+            per_node = [self.lengths(tensor, d_in, _inside(ratios, mesh, j)) for j in range(mesh.num_nodes)]
             out[d_in] = tuple(per_node[mesh.node(r)][mesh.local(r)] for r in range(mesh.size))
         return out
 
@@ -144,3 +143,24 @@ class DimClasses:
 
     def class_id(self, tensor: str, dim: int) -> int:
         return self.class_of[(tensor, dim)]
+
+
+def _inside(ratios: Sequence[float], mesh: Mesh, node: int) -> list[float]:
+    """A node's devices' ratios; even when they are all 0 (the node holds whole tensors of
+    layouts replicated across nodes and still splits them among its devices)."""
+    mine = [ratios[r] for r in mesh.node_ranks(node)]
+    return mine if sum(mine) > 0 else [1.0] * len(mine)
+
+
+def rank_offset(lengths: Sequence[int], layout: Layout, dim: int, mesh: Mesh, rank: int) -> int:
+    """Start of `rank`'s slice of `dim` for a layout whose per-rank lengths are `lengths`:
+    after the earlier ranks (one-level split), the earlier nodes' blocks (split across
+    nodes only), or the earlier ranks of its node (split inside nodes only)."""
+    outer, inner = axes(layout)
+    split_outer, split_inner = shard_dim(outer) == dim, shard_dim(inner) == dim
+    if split_outer and split_inner:
+        return sum(lengths[:rank])
+    if split_outer:
+        return sum(lengths[j * mesh.per_node] for j in range(mesh.node(rank)))
+    node_start = mesh.node(rank) * mesh.per_node
+    return sum(lengths[node_start:rank])

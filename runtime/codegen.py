@@ -1,0 +1,193 @@
+"""Per-rank programs: a Plan and a rank become a torch.fx.GraphModule computing that rank's
+local loss (a Partial: the ranks' losses sum to the global loss).
+
+Every rank builds its own program from the same Plan; nobody re-runs the search. The plan's
+instructions are emitted in order:
+
+  param / buffer   the rank's slice of the tensor (its storage layout), held by the module
+  input            a placeholder: the rank's rows of the batch (or all of it, for R)
+  compute          the op on local shards, via instruction_set.local.emit_local (the code path
+                   the single-process rule tests check), or an SFB linear
+  collectives      a call to a Conversion module (runtime.conversions)
+
+Parameters are nn.Parameters of the GraphModule, so its `parameters()` are exactly the local
+parameters to optimise; `RankProgram.params` tells how each synchronises its gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import fx, nn
+
+from instruction_set.graph import Node
+from instruction_set.layouts import is_shard
+from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
+from instruction_set.plan import Plan
+from instruction_set.program import COLLECTIVES, Instruction
+from instruction_set.shards import rank_offset
+from runtime.conversions import make_conversion, span
+from runtime.groups import Groups
+from runtime.sfb import SFBLinearModule
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    name: str            # attribute of the GraphModule (the graph's parameter node name)
+    fqn: str             # the model's parameter name
+    layout: str          # storage layout
+    sync: Instruction | None  # backward all_reduce, or None (sharded, or SFB)
+
+
+@dataclass
+class RankProgram:
+    module: fx.GraphModule
+    params: list[LocalParam]
+    inputs: list[tuple[str, str]]  # (graph input name, layout) in placeholder order
+
+
+class FxBuilder:
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, name: str | None = None) -> fx.Node:
+        return self.graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
+
+
+def local_shape(plan: Plan, tensor: str, layout: str, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = list(shape)
+    if is_shard(layout):
+        for dim, lengths in plan.lengths(tensor, layout).items():
+            out[dim] = lengths[rank]
+    return tuple(out)
+
+
+def local_slice(plan: Plan, tensor: str, layout: str, rank: int, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole tensor in `layout` (params, buffers, data)."""
+    if not is_shard(layout):
+        return full
+    mesh = groups_mesh(plan)
+    for dim, lengths in plan.lengths(tensor, layout).items():
+        full = full.narrow(dim, rank_offset(lengths, layout, dim, mesh, rank), lengths[rank])
+    return full
+
+
+def groups_mesh(plan: Plan):
+    from instruction_set.mesh import Mesh
+
+    nodes, per_node = plan.mesh
+    return Mesh(nodes, per_node, nodes > 1)
+
+
+class _Emitter:
+    def __init__(self, plan: Plan, groups: Groups, state: Mapping[str, torch.Tensor] | None,
+                 device: torch.device) -> None:
+        self.plan, self.groups, self.state, self.device = plan, groups, state, device
+        self.rank = groups.rank
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self.env: dict[tuple[str, str], fx.Node] = {}
+        self.params: list[LocalParam] = []
+        self.inputs: list[tuple[str, str]] = []
+        self.sfb = {i.node: i for i in plan.instructions if i.kind == "sfb"}
+        self.syncs = {i.tensor: i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"}
+
+    def _local_value(self, node: Node, layout: str) -> torch.Tensor:
+        meta = node.out
+        if self.state is None:
+            shape = local_shape(self.plan, node.name, layout, self.rank, meta.shape)
+            return torch.empty(shape, dtype=getattr(torch, meta.dtype), device="meta")
+        part = local_slice(self.plan, node.name, layout, self.rank, self.state[node.fqn])
+        return part.detach().clone().to(self.device)
+
+    def storage(self, ins: Instruction) -> None:
+        node = self.plan.graph.node(ins.tensor)
+        value = self._local_value(node, ins.layout)
+        if node.op == "param":
+            self.root.register_parameter(node.name, nn.Parameter(value, requires_grad=node.out.requires_grad))
+            self.params.append(LocalParam(node.name, node.fqn, ins.layout, self.syncs.get(node.name)))
+        else:
+            self.root.register_buffer(node.name, value)
+        self.env[(ins.tensor, ins.layout)] = self.graph.get_attr(node.name)
+
+    def data_input(self, ins: Instruction) -> None:
+        self.inputs.append((ins.tensor, ins.layout))
+        self.env[(ins.tensor, ins.layout)] = self.graph.placeholder(ins.tensor)
+
+    def compute(self, ins: Instruction) -> None:
+        node = self.plan.graph.node(ins.node)
+        values = [self.env[(t, l)] for t, l in zip(node.inputs, ins.inputs)]
+        if ins.node in self.sfb:
+            out = self._sfb(ins, node, values)
+        else:
+            out = emit_local(node, ins.local, values, self._context(node, ins), FxBuilder(self.graph))
+        self.env[(ins.node, ins.layout)] = out
+
+    def _context(self, node: Node, ins: Instruction) -> LocalContext:
+        mesh = self.groups.mesh
+        shapes = tuple(local_shape(self.plan, node.name, ins.layout, self.rank, m.shape) for m in node.outputs)
+        offsets = {}
+        if local_kinds(ins.local) & {"gather_sharded", "embedding_sharded"}:
+            t, layout = node.inputs[0], ins.inputs[0]
+            (dim, lengths), = self.plan.lengths(t, layout).items()
+            offsets[0] = rank_offset(lengths, layout, dim, mesh, self.rank)
+        return LocalContext(shapes, self.device, dropped_inputs(ins.local, mesh.node(self.rank), mesh.local(self.rank)),
+                            offsets, _global_count(self.plan, node))
+
+    def _sfb(self, ins: Instruction, node: Node, values: list[fx.Node]) -> fx.Node:
+        sfb = self.sfb[ins.node]
+        x, layout = node.inputs[0], ins.inputs[0]
+        tokens = _token_counts(self.plan, x, layout)
+        s = span(self.plan, self.groups, x, layout, "all")
+        s = type(s)(s.group, s.members, s.index, 0, tuple(tokens))
+        name = f"sfb_{node.name}"
+        self.root.add_module(name, SFBLinearModule(s, sfb.variant))
+        return self.graph.call_module(name, tuple(values))
+
+    def conversion(self, ins: Instruction) -> None:
+        name = f"{ins.kind}_{ins.tensor}"
+        while hasattr(self.root, name):
+            name += "_"
+        self.root.add_module(name, make_conversion(self.plan, self.groups, ins))
+        self.env[(ins.tensor, ins.layout)] = self.graph.call_module(name, (self.env[(ins.tensor, ins.src)],))
+
+    def emit(self) -> RankProgram:
+        for ins in self.plan.instructions:
+            if ins.kind in ("param", "buffer"):
+                self.storage(ins)
+            elif ins.kind == "input":
+                self.data_input(ins)
+            elif ins.kind == "compute":
+                self.compute(ins)
+            elif ins.phase == "forward" and (ins.kind in COLLECTIVES or ins.kind in ("slice", "partial")):
+                self.conversion(ins)
+        self.graph.output(self.env[(self.plan.graph.loss, "P")])
+        module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
+        return RankProgram(module, self.params, self.inputs)
+
+
+def _global_count(plan: Plan, node: Node) -> int:
+    """Elements a global mean averages (for mean_global)."""
+    if "mean" not in node.target:
+        return 1
+    shape = plan.graph.node(node.inputs[0]).out.shape
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] else list(range(len(shape)))
+    count = 1
+    for d in dims:
+        count *= shape[d % len(shape)] if shape else 1
+    return count
+
+
+def _token_counts(plan: Plan, x: str, layout: str) -> list[int]:
+    shape = plan.graph.node(x).out.shape
+    return [int(torch.Size(local_shape(plan, x, layout, r, shape)[:-1]).numel())
+            for r in range(plan.cluster.num_devices)]
+
+
+def build_rank_program(plan: Plan, groups: Groups, *, state: Mapping[str, torch.Tensor] | None = None,
+                       device: torch.device | str = "cpu") -> RankProgram:
+    """The per-rank program. `state` maps the model's parameter and buffer names to whole
+    tensors (sliced here); without it, parameters are meta tensors (for reading the code)."""
+    return _Emitter(plan, groups, state, torch.device(device)).emit()

@@ -1,0 +1,85 @@
+"""All-gather S(d) -> R over a group, for uneven (and zero-length) shards.
+
+Variants (HAP, EuroSys'24, section 4.3; cost_models.comm):
+  padded   pad every shard to the largest, one equal-size all_gather_single, unpad
+  grouped  one broadcast per member of its exact shard (no padding)
+  ring     g-1 point-to-point steps, each rank forwarding the shard it received last
+
+Backward is the adjoint, reduce-scatter with the same variant: the gradient of the gathered
+(replicated) tensor is Partial, and each rank receives the sum of its own slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.collectives import scatter as rs
+from runtime.collectives.span import Span, from_front, pad_rows, to_front
+
+
+def gather_padded(x: torch.Tensor, span: Span) -> torch.Tensor:
+    front = to_front(x, span.dim)
+    rows = max(span.lengths)
+    if rows == 0:
+        return x.new_zeros(*[0 if i == span.dim else s for i, s in enumerate(x.shape)])
+    out = front.new_empty(span.size * rows, *front.shape[1:])
+    dist.all_gather_single(out, pad_rows(front, rows), group=span.group)
+    chunks = [c[:n] for c, n in zip(out.split(rows), span.lengths)]
+    return from_front(torch.cat(chunks), span.dim)
+
+
+def gather_grouped(x: torch.Tensor, span: Span) -> torch.Tensor:
+    front = to_front(x, span.dim)
+    chunks = []
+    for j, n in enumerate(span.lengths):
+        buf = front if j == span.index else front.new_empty(n, *front.shape[1:])
+        if n > 0:
+            dist.broadcast(buf, src=span.members[j], group=span.group)
+        chunks.append(buf)
+    return from_front(torch.cat(chunks), span.dim)
+
+
+def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span) -> None:
+    """Send to the next member and receive from the previous one (each wait exactly once)."""
+    nxt = span.members[(span.index + 1) % span.size]
+    prev = span.members[(span.index - 1) % span.size]
+    ops = []
+    if send is not None and send.numel() > 0:
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), nxt, group=span.group))
+    if recv is not None and recv.numel() > 0:
+        ops.append(dist.P2POp(dist.irecv, recv, prev, group=span.group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
+def gather_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
+    front = to_front(x, span.dim)
+    g, i = span.size, span.index
+    blocks: list[torch.Tensor | None] = [None] * g
+    blocks[i] = front
+    for step in range(g - 1):
+        send_idx, recv_idx = (i - step) % g, (i - step - 1) % g
+        blocks[recv_idx] = front.new_empty(span.lengths[recv_idx], *front.shape[1:])
+        exchange(blocks[send_idx], blocks[recv_idx], span)
+    return from_front(torch.cat(blocks), span.dim)  # type: ignore[arg-type]
+
+
+GATHER = {"padded": gather_padded, "grouped": gather_grouped, "ring": gather_ring}
+
+
+class AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, span: Span, variant: str) -> torch.Tensor:
+        ctx.span, ctx.variant = span, variant
+        return GATHER[variant](x, span)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return rs.SCATTER[ctx.variant](grad, ctx.span), None, None
+
+
+def all_gather(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
+    return AllGather.apply(x, span, variant)

@@ -1,0 +1,20 @@
+"""Conversions that need no communication.
+
+slice    R -> S(d) along an axis: take this rank's rows [offset, offset + length) of dim d.
+         Backward zero-pads the gradient to the full size: ranks' gradients sum to the whole,
+         a Partial gradient, as the dual of R requires.
+partial  R -> P: the keeper rank keeps the value, the others hold zeros; backward likewise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def slice_rows(x: torch.Tensor, dim: int, offset: int, length: int) -> torch.Tensor:
+    """narrow() is differentiable: its backward scatters into zeros (the padding above)."""
+    return x.narrow(dim, offset, length)
+
+
+def partial(x: torch.Tensor, keep: bool) -> torch.Tensor:
+    return x if keep else torch.zeros_like(x)

@@ -1,0 +1,245 @@
+"""Training with a plan on one rank: parameters, data, gradient sync, clipping, steps.
+
+- Parameters come from the model's own initialisation under a fixed seed, built whole once
+  and sliced per the plan; the whole copy is dropped after set-up.
+- Data: the global batch of step s is samples [s * B, (s + 1) * B); a rank loads only its rows
+  (the shard lengths of the input's layout), or all of them for replicated inputs.
+- Gradients of parameters replicated along some axis are all-reduced along it after the
+  backward pass, in buckets of GRAD_BUCKET_BYTES (one flat all-reduce per bucket); SFB weights
+  and sharded parameters need none.
+- Clipping by the global norm: each element of the full model counts once (a replicated
+  parameter only on the first rank of its replica group).
+- The loss each rank computes is a Partial summand; the global loss is their all-reduced sum.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cost_models.comm import GRAD_BUCKET_BYTES
+from hetsynth.models import ModelSpec, parse_model_ref
+from instruction_set.layouts import axes, is_shard
+from instruction_set.plan import Plan
+from instruction_set.shards import rank_offset
+from runtime.codegen import RankProgram, build_rank_program, groups_mesh
+from runtime.collectives import Span, all_reduce
+from runtime.groups import Groups
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 5
+    optimizer: str = "adamw"        # adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    data_seed: int = 1
+
+
+@dataclass
+class StepLog:
+    loss: float
+    seconds: float
+
+
+@dataclass
+class Trainer:
+    plan: Plan
+    spec: ModelSpec
+    groups: Groups
+    program: RankProgram
+    optimizer: torch.optim.Optimizer
+    config: TrainConfig
+    device: torch.device
+    log: list[StepLog] = field(default_factory=list)
+
+
+def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Whole parameters and buffers of the model, from its own initialisation."""
+    torch.manual_seed(seed)
+    module = spec.build("cpu")
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(dict(module.named_buffers(remove_duplicate=False)))
+    return {k: v.detach() for k, v in state.items()}
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    trainable = [p for p in params if p.requires_grad]
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    raise ValueError(f"optimizer {config.optimizer!r}: use adamw or sgd")
+
+
+def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device | str = "cpu",
+          spec: ModelSpec | None = None) -> Trainer:
+    spec = spec or parse_model_ref(plan.model.ref)
+    state = full_state(spec, config.seed)
+    program = build_rank_program(plan, groups, state=state, device=device)
+    del state
+    optimizer = make_optimizer(list(program.module.parameters()), config)
+    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device))
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+def rank_rows(plan: Plan, tensor: str, layout: str, rank: int, batch: int) -> range:
+    """The rows of the global batch this rank holds for an input in `layout`."""
+    if not is_shard(layout) or 0 not in plan.lengths(tensor, layout):
+        return range(batch)
+    lengths = plan.lengths(tensor, layout)[0]
+    start = rank_offset(lengths, layout, 0, groups_mesh(plan), rank)
+    return range(start, start + lengths[rank])
+
+
+def local_batch(trainer: Trainer, step: int) -> list[torch.Tensor]:
+    plan, rank = trainer.plan, trainer.groups.rank
+    batch = plan.model.batch_size
+    names = [n.name for n in plan.graph.nodes if n.op == "input"]
+    base = step * batch
+    out = []
+    for name, layout in trainer.program.inputs:
+        rows = rank_rows(plan, name, layout, rank, batch)
+        values = trainer.spec.make_batch([base + r for r in rows], seed=trainer.config.data_seed)
+        out.append(values[names.index(name)].to(trainer.device))
+    return out
+
+
+# -- gradients ------------------------------------------------------------------------------------
+
+def _sync_span(groups: Groups, axis: str) -> Span:
+    return Span(groups.group(axis), tuple(groups.members(axis)), groups.index(axis), 0, ())
+
+
+def sync_gradients(trainer: Trainer) -> None:
+    """All-reduce the gradients of replicated parameters along their replica axis, bucketed."""
+    by_axis: dict[str, list[torch.Tensor]] = {}
+    module = trainer.program.module
+    for p in trainer.program.params:
+        param = getattr(module, p.name)
+        if p.sync is None or not param.requires_grad:
+            continue
+        if param.grad is None:  # unused on this rank (an addend kept by another rank): zero summand
+            param.grad = torch.zeros_like(param)
+        by_axis.setdefault(p.sync.axis, []).append(param.grad)
+    for axis, grads in by_axis.items():
+        span = _sync_span(trainer.groups, axis)
+        for bucket in _buckets(grads):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=span.group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        if out[-1] and size + g.numel() * g.element_size() > GRAD_BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += g.numel() * g.element_size()
+    return [b for b in out if b]
+
+
+def counts_once(groups: Groups, layout: str) -> bool:
+    """Whether this rank's copy of a parameter counts in global sums (first replica)."""
+    outer, inner = axes(layout)
+    mesh, rank = groups.mesh, groups.rank
+    if not mesh.two_level:
+        return is_shard(layout) or rank == 0
+    return (is_shard(outer) or mesh.node(rank) == 0) and (is_shard(inner) or mesh.local(rank) == 0)
+
+
+def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
+    module = trainer.program.module
+    total = torch.zeros((), dtype=torch.float64, device=trainer.device)
+    for p in trainer.program.params:
+        grad = getattr(module, p.name).grad
+        if grad is not None and counts_once(trainer.groups, p.layout):
+            total += grad.detach().double().pow(2).sum()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
+    norm = float(total.sqrt())
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+# -- steps ----------------------------------------------------------------------------------------
+
+def train_step(trainer: Trainer, step: int) -> StepLog:
+    start = time.perf_counter()
+    inputs = local_batch(trainer, step)
+    loss = trainer.program.module(*inputs)
+    loss.backward()
+    sync_gradients(trainer)
+    if trainer.config.max_grad_norm is not None:
+        clip_global_norm(trainer, trainer.config.max_grad_norm)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
+    entry = StepLog(float(total), time.perf_counter() - start)
+    trainer.log.append(entry)
+    return entry
+
+
+def local_parameters(trainer: Trainer) -> dict[str, tuple[str, torch.Tensor]]:
+    """fqn -> (storage layout, this rank's slice), for reassembling whole parameters."""
+    module = trainer.program.module
+    return {p.fqn: (p.layout, getattr(module, p.name).detach().cpu()) for p in trainer.program.params}
+
+
+def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training on one device with the plain model: losses and final parameters."""
+    torch.manual_seed(config.seed)
+    model = spec.build("cpu")
+    optimizer = make_optimizer(list(model.parameters()), config)
+    losses = []
+    for step in range(config.steps):
+        inputs = spec.make_batch(range(step * batch_size, (step + 1) * batch_size), seed=config.data_seed)
+        loss = model(*inputs)
+        loss.backward()
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return losses, {k: v.detach() for k, v in params.items()}
+
+
+def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Whole parameters from every rank's slices (replicated copies must agree)."""
+    mesh = groups_mesh(plan)
+    by_fqn = {n.fqn: n for n in plan.graph.params}
+    out = {}
+    for fqn, (layout, _) in per_rank[0].items():
+        node = by_fqn[fqn]
+        full = torch.full(node.out.shape, float("nan"), dtype=per_rank[0][fqn][1].dtype)
+        for rank, params in enumerate(per_rank):
+            index = [slice(None)] * full.dim()
+            if is_shard(layout):
+                for dim, lengths in plan.lengths(node.name, layout).items():
+                    start = rank_offset(lengths, layout, dim, mesh, rank)
+                    index[dim] = slice(start, start + lengths[rank])
+            full[tuple(index)] = params[fqn][1]
+        out[fqn] = full
+    return out
+
+
+__all__ = ["Any", "TrainConfig", "Trainer", "assemble", "clip_global_norm", "full_state", "local_batch",
+           "local_parameters", "reference_training", "setup", "sync_gradients", "train_step"]

@@ -1,0 +1,32 @@
+"""Session-scoped pools of spawned gloo ranks (world sizes 2 and 4), shared by the tests that
+need real collectives; each is started on first use and closed at the end of the session."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from runtime.pool import RankPool
+
+
+class Pools:
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = RankPool(world_size, timeout_s=60)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools() -> Iterator[Pools]:
+    p = Pools()
+    yield p
+    p.close()
