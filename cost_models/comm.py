@@ -70,14 +70,17 @@ GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default buck
 
 @dataclass(frozen=True)
 class CommModel:
-    """Link parameters of the groups along each mesh axis of a cluster."""
+    """Link parameters of the groups along each mesh axis of a cluster. `two_level` False
+    treats the devices as one group (no node / cross-node groups, no hierarchical variant)."""
 
     cluster: ClusterSpec
+    two_level: bool = True
     _alpha_beta: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def mesh(self) -> Mesh:
-        return Mesh.of([len(n.devices) for n in self.cluster.nodes])
+        mesh = Mesh.of([len(n.devices) for n in self.cluster.nodes])
+        return mesh if self.two_level else Mesh(1, self.n, False)
 
     @property
     def n(self) -> int:
@@ -101,6 +104,8 @@ class CommModel:
         """The bottleneck link of a ring along `axis`, from the spec."""
         if axis == "inner" or len(self.cluster.nodes) == 1:
             return self._intra()
+        if axis == "outer" and not self.mesh.two_level:
+            raise ValueError("no cross-node axis on a one-level mesh")
         nic = self._nic()
         if axis == "outer":
             return AlphaBeta(latency_us=nic.latency_us,
@@ -167,8 +172,12 @@ class CommModel:
         bandwidth term of its bytes and its bytes' fraction of a bucket's latency term."""
         if self.group_size(axis) == 1:
             return LinearCost.zero(self.n)
-        variants = VARIANTS["all_reduce"] if axis == "all" else ("ring",)
-        return min((self.bucketed(v, nbytes, axis) for v in variants), key=lambda c: c.a[0])
+        return self.bucketed(self.gradient_variant(nbytes, axis), nbytes, axis)
+
+    def gradient_variant(self, nbytes: float, axis: str = "all") -> str:
+        """The cheaper all-reduce variant for gradient buckets along `axis`."""
+        variants = VARIANTS["all_reduce"] if axis == "all" and self.hierarchical else ("ring",)
+        return min(variants, key=lambda v: self.bucketed(v, nbytes, axis).a[0])
 
     def bucketed(self, variant: str, nbytes: float, axis: str = "all") -> LinearCost:
         """A variant's cost for `nbytes` inside a GRAD_BUCKET_BYTES bucket: latency pro rata."""

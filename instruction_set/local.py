@@ -8,7 +8,7 @@ rules tested in one process are the rules the runtime executes. Rewrites:
 - shape arguments (view sizes, expand sizes) become the local output shape;
 - `once:i` (optionally `@outer` / `@inner`): input i is an addend (a bias, a replicated
   term added to a Partial) that must count once in the sum over ranks, so ranks other than
-  the keeper use zeros instead;
+  the keeper use `zeroed(x)` instead (zeros that keep x in the autograd graph);
 - `mean_global`: a mean over a split dim is the local sum divided by the global count;
 - `gather_sharded` / `embedding_sharded`: a rank holding rows [offset, offset + len) of the
   table looks up the indices in that range and contributes zeros for the others (P output);
@@ -149,9 +149,14 @@ def _resolver(values: Sequence[Any]) -> Callable[[str], Any]:
     return lambda _name: next(it)
 
 
+def zeroed(x: torch.Tensor) -> torch.Tensor:
+    """Zeros that stay connected to x in autograd: collectives in x's backward still run on
+    every rank (a rank that skipped them would deadlock the others)."""
+    return x * 0
+
+
 def _inputs(node: Node, inputs: Sequence[Any], ctx: LocalContext, builder: Builder) -> list[Any]:
-    return [builder.call(torch.zeros_like, (v,), {}) if i in ctx.dropped else v
-            for i, v in enumerate(inputs)]
+    return [builder.call(zeroed, (v,), {}) if i in ctx.dropped else v for i, v in enumerate(inputs)]
 
 
 def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext, builder: Builder) -> Any:

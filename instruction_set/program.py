@@ -13,8 +13,8 @@ Each instruction makes one tensor available in one layout on every rank:
                   weight `tensor` from all-gathered factors (sufficient-factor broadcasting)
 
 Gradient synchronisation of a replicated parameter is an `all_reduce` with
-`phase == "backward"` on the parameter (variant "bucketed": gradients are all-reduced in
-buckets). `axis` is the mesh axis a collective runs along (instruction_set.mesh): "all"
+`phase == "backward"` on the parameter (gradients are all-reduced in buckets of 25 MiB,
+with the ring or hierarchical algorithm named by the variant). `axis` is the mesh axis a collective runs along (instruction_set.mesh): "all"
 devices, "inner" (the devices of each node) or "outer" (one device per node, for every
 local index). Forward collectives carry their adjoint in the
 backward pass; `predicted_s` includes both. `alternatives` maps each implementation variant

@@ -18,7 +18,8 @@ On a two-level mesh (instruction_set.mesh) a layout `A|B` places a dim on one ax
   one-level S<d> (both axes)  rank r holds len(r) of the one-level split above; a node's
                               block is the sum over its devices
   A = S<d> only (across nodes)  every rank of node j holds node j's block of that split
-  B = S<d> only (inside nodes)  the whole dim split over node j's devices by their ratios
+  B = S<d> only (inside nodes)  the whole dim split over a node's devices, the same on every
+                              node (by the column sums of the ratios, `inside_ratios`)
 `rank_lengths` gives, for any layout, every sharded dim's local length on every rank.
 Every consumer of shard lengths (cost model, plan, codegen) calls these two methods.
 """
@@ -128,8 +129,8 @@ class DimClasses:
             blocks = [sum(flat[r] for r in mesh.node_ranks(j)) for j in range(mesh.num_nodes)]
             out[d_out] = tuple(blocks[mesh.node(r)] for r in range(mesh.size))
         if d_in is not None:
-            per_node = [self.lengths(tensor, d_in, _inside(ratios, mesh, j)) for j in range(mesh.num_nodes)]
-            out[d_in] = tuple(per_node[mesh.node(r)][mesh.local(r)] for r in range(mesh.size))
+            inner = self.lengths(tensor, d_in, inside_ratios(ratios, mesh))
+            out[d_in] = tuple(inner[mesh.local(r)] for r in range(mesh.size))
         return out
 
     def rank_shares(self, tensor: str, layout: Layout, ratios: Sequence[float],
@@ -145,11 +146,12 @@ class DimClasses:
         return self.class_of[(tensor, dim)]
 
 
-def _inside(ratios: Sequence[float], mesh: Mesh, node: int) -> list[float]:
-    """A node's devices' ratios; even when they are all 0 (the node holds whole tensors of
-    layouts replicated across nodes and still splits them among its devices)."""
-    mine = [ratios[r] for r in mesh.node_ranks(node)]
-    return mine if sum(mine) > 0 else [1.0] * len(mine)
+def inside_ratios(ratios: Sequence[float], mesh: Mesh) -> list[float]:
+    """The split inside nodes, the same on every node: local index l gets the sum of the
+    ratios of the devices with index l (cross-node collectives pair those devices, so their
+    slices must match). Even when all are 0."""
+    cols = [sum(ratios[r] for r in mesh.cross_ranks(l)) for l in range(mesh.per_node)]
+    return cols if sum(cols) > 0 else [1.0] * mesh.per_node
 
 
 def rank_offset(lengths: Sequence[int], layout: Layout, dim: int, mesh: Mesh, rank: int) -> int:

@@ -73,7 +73,7 @@ def _sync_term(pb: Problem, ins: Instruction) -> Term:
     nbytes = pb.meta(ins.tensor).nbytes
     if ins.axis == "outer":
         nbytes *= max(pb.shares(ins.tensor, ins.layout))
-    cost = pb.comm.gradient_allreduce(nbytes, ins.axis)
+    cost = pb.comm.bucketed(ins.variant, nbytes, ins.axis)
     return Term(cost, (1.0,) * pb.n, "none", False)
 
 

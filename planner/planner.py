@@ -77,23 +77,23 @@ class _Stats:
 
 
 def _evaluate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float],
-              program: Sequence[Instruction]) -> Candidate:
-    pb = Problem(graph, cluster, ratios)
+              program: Sequence[Instruction], restrictions: Restrictions | None = None) -> Candidate:
+    pb = Problem(graph, cluster, ratios, restrictions)
     return Candidate(tuple(ratios), tuple(program), predict(pb, program_terms(pb, program)))
 
 
 def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
                fixed: bool, width: int, progress: bool, memory_weight: float, stats: _Stats,
-               max_rounds: int) -> Candidate:
+               max_rounds: int, restrictions: Restrictions | None) -> Candidate:
     best: Candidate | None = None
     for _ in range(max_rounds):
         stats.rounds += 1
-        result = _best_program(graph, cluster, ratios, memory_weight, width, progress, stats)
-        current = _evaluate(graph, cluster, ratios, result.instructions)
+        result = _best_program(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
+        current = _evaluate(graph, cluster, ratios, result.instructions, restrictions)
         best = current if current.better_than(best) else best
         if fixed:
             break
-        pb = Problem(graph, cluster, ratios)
+        pb = Problem(graph, cluster, ratios, restrictions)
         terms = program_terms(pb, result.instructions)
         try:
             solution = solve_ratios(terms, cluster.memories_gib(),
@@ -101,7 +101,7 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
         except MemoryInfeasible:
             break
         stats.lp_s += solution.seconds
-        moved = _evaluate(graph, cluster, solution.ratios, result.instructions)
+        moved = _evaluate(graph, cluster, solution.ratios, result.instructions, restrictions)
         improved = moved.prediction.step_time_s < best.prediction.step_time_s * (1 - 1e-3)
         best = moved if moved.better_than(best) else best
         if not improved:
@@ -131,11 +131,17 @@ def _count(stats: _Stats, result: SearchResult) -> None:
 
 
 def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
-                  memory_weight: float, width: int, progress: bool, stats: _Stats) -> SearchResult:
-    """A* with the seeds' best cost as incumbent; the search's program if cheaper, else the seed."""
+                  memory_weight: float, width: int, progress: bool, stats: _Stats,
+                  restrictions: Restrictions | None) -> SearchResult:
+    """A* with the seeds' best cost as incumbent; the search's program if cheaper, else the
+    seed. A restricted search (forced layouts, for tests) has no seeds."""
+    pb = Problem(graph, cluster, ratios, restrictions, memory_weight=memory_weight)
+    if restrictions is not None:
+        found = synthesize(pb, width=width, progress=progress)
+        _count(stats, found)
+        return found
     seeds = _seeds(graph, cluster, ratios, memory_weight, width, stats)
     best_seed = min(seeds, key=lambda r: r.cost_s)
-    pb = Problem(graph, cluster, ratios, memory_weight=memory_weight)
     found = synthesize(pb, width=width, progress=progress, incumbent=best_seed.cost_s)
     if found is not None:
         _count(stats, found)
@@ -143,14 +149,15 @@ def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[flo
 
 
 def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
-                width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6
-                ) -> tuple[Candidate, _Stats]:
+                width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6,
+                restrictions: Restrictions | None = None) -> tuple[Candidate, _Stats]:
     """The best program and ratios (raises PlanInfeasible when nothing fits in memory)."""
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
     stats, weight, best = _Stats(), 0.0, None
     for attempt in range(MEMORY_ATTEMPTS):
-        candidate = _alternate(graph, cluster, start, fixed, width, progress, weight, stats, max_rounds)
+        candidate = _alternate(graph, cluster, start, fixed, width, progress, weight, stats, max_rounds,
+                               restrictions)
         best = candidate if candidate.better_than(best) else best
         if best.prediction.fits:
             return best, stats
@@ -228,17 +235,21 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 
 
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
-              width: int = DEFAULT_WIDTH, progress: bool = True) -> Plan:
-    """Synthesize the plan for `graph` on `cluster`, with its baselines."""
+              width: int = DEFAULT_WIDTH, progress: bool = True,
+              restrictions: Restrictions | None = None, with_baselines: bool = True) -> Plan:
+    """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
+    narrows the program space (forced layouts or variants, used by tests)."""
     start = time.perf_counter()
-    best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress)
+    best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
+                              restrictions=restrictions)
     seconds = time.perf_counter() - start
-    pb = Problem(graph, cluster, best.ratios)
+    pb = Problem(graph, cluster, best.ratios, restrictions)
     return Plan(
         model=model_info(graph), cluster=cluster, mesh=(pb.mesh.num_nodes, pb.mesh.per_node),
         graph=graph, sharding_ratios=best.ratios,
         shards=shard_table(pb, best.program), instructions=finalize(pb, best.program),
-        predicted=best.prediction, baselines=baselines.all_baselines(graph, cluster, width=width),
+        predicted=best.prediction,
+        baselines=baselines.all_baselines(graph, cluster, width=width) if with_baselines else {},
         synthesis=SynthesisStats(seconds=seconds, search_seconds=stats.search_s,
                                  lp_seconds=stats.lp_s, states_expanded=stats.expanded,
                                  rounds=stats.rounds, heuristic="compute suffix + pending conversions",

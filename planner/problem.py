@@ -29,7 +29,6 @@ from cost_models.memory import activation_memory, param_memory
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.layouts import (P, PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
                                      shard_dim)
-from instruction_set.mesh import Mesh
 from instruction_set.rules import Rule, product_rule, rules_for
 from instruction_set.shards import DimClasses
 
@@ -49,6 +48,7 @@ class Restrictions:
     two_level: bool = True                       # allow two-level layouts
     allow_sfb: bool = True
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    force: dict[str, Layout] = field(default_factory=dict)  # tensor -> layout it is made in
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +85,8 @@ class Problem:
         self.memory_weight = memory_weight  # seconds per byte on the most loaded device
         self.n = cluster.num_devices
         self.kinds: list[DeviceKind] = [cluster.device_kind(r) for r in range(self.n)]
-        self.comm = CommModel(cluster)
-        mesh = self.comm.mesh
-        self.mesh = mesh if mesh.two_level and self.restrictions.two_level else Mesh(1, self.n, False)
+        self.comm = CommModel(cluster, two_level=self.restrictions.two_level)
+        self.mesh = self.comm.mesh
         self.order: list[Node] = graph.calls
         self.index = {n.name: k for k, n in enumerate(self.order)}
         base = {n.name: rules_for(n, self.in_metas(n)) for n in self.order}
@@ -157,7 +156,9 @@ class Problem:
             rules += [p for ro in outer for ri in base if ro is not ri
                       for p in [product_rule(ro, ri)] if p is not None]
         entries = lambda r: [(node.name, r.output), *zip(node.inputs, r.inputs)]
-        return [r for r in rules if all(self.allowed(t, l) for t, l in entries(r))]
+        forced = self.restrictions.force.get(node.name)
+        return [r for r in rules if all(self.allowed(t, l) for t, l in entries(r))
+                and (forced is None or r.output == forced)]
 
     # -- shares and costs -----------------------------------------------------------------
     def shares(self, tensor: str, layout: Layout) -> tuple[float, ...]:

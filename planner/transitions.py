@@ -123,6 +123,9 @@ def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
     else:
         layouts = [R] + [S(d) for d in dims] + ([join(R, S(d)) for d in dims] if two else [])
         layouts = _restrict_params(pb, node, layouts)
+    forced = pb.restrictions.force.get(node.name)
+    if forced is not None:
+        layouts = [forced]
     return [l for l in layouts if pb.allowed(node.name, l)]
 
 
@@ -153,16 +156,10 @@ def replica_sync(pb: Problem, param: str, layout: Layout) -> Emit | None:
     meta = pb.meta(param)
     if not meta.requires_grad or (is_shard(layout) and not is_two_level(layout)):
         return None
-    if layout == R:
-        cost = pb.comm.gradient_allreduce(meta.nbytes)
-        axis = "all"
-    else:
-        held = max(pb.shares(param, layout))
-        cost = pb.comm.gradient_allreduce(meta.nbytes * held, axis="outer")
-        axis = "outer"
-    seconds = cost.at((1.0,) * pb.n)
+    nbytes, axis = (meta.nbytes, "all") if layout == R else (meta.nbytes * max(pb.shares(param, layout)), "outer")
+    seconds = pb.comm.gradient_allreduce(nbytes, axis).at((1.0,) * pb.n)
     return _emit(kind="all_reduce", tensor=param, layout=layout, src="P", phase="backward",
-                 variant="bucketed", predicted_s=seconds, axis=axis)
+                 variant=pb.comm.gradient_variant(nbytes, axis), predicted_s=seconds, axis=axis)
 
 
 def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None) -> Emit:
@@ -174,7 +171,7 @@ def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None
         return _emit(kind="sfb", tensor=param, layout=R, src="P", node=consumer.name,
                      phase="backward", variant=sfb[1], predicted_s=sfb[0], alternatives=options)
     return _emit(kind="all_reduce", tensor=param, layout=R, src="P", phase="backward",
-                 variant="bucketed", predicted_s=allreduce, alternatives=options)
+                 variant=pb.comm.gradient_variant(meta.nbytes), predicted_s=allreduce, alternatives=options)
 
 
 def sfb_applicable(pb: Problem, param: str, consumer: Node, rule: Rule) -> bool:

@@ -27,7 +27,8 @@ from instruction_set.layouts import axes, is_shard
 from instruction_set.plan import Plan
 from instruction_set.shards import rank_offset
 from runtime.codegen import RankProgram, build_rank_program, groups_mesh
-from runtime.collectives import Span, all_reduce
+from runtime.collectives import Span
+from runtime.collectives.allreduce import reduce_hierarchical, reduce_ring
 from runtime.groups import Groups
 
 
@@ -120,7 +121,7 @@ def _sync_span(groups: Groups, axis: str) -> Span:
 
 def sync_gradients(trainer: Trainer) -> None:
     """All-reduce the gradients of replicated parameters along their replica axis, bucketed."""
-    by_axis: dict[str, list[torch.Tensor]] = {}
+    by_kind: dict[tuple[str, str], list[torch.Tensor]] = {}
     module = trainer.program.module
     for p in trainer.program.params:
         param = getattr(module, p.name)
@@ -128,12 +129,14 @@ def sync_gradients(trainer: Trainer) -> None:
             continue
         if param.grad is None:  # unused on this rank (an addend kept by another rank): zero summand
             param.grad = torch.zeros_like(param)
-        by_axis.setdefault(p.sync.axis, []).append(param.grad)
-    for axis, grads in by_axis.items():
-        span = _sync_span(trainer.groups, axis)
+        by_kind.setdefault((p.sync.axis, p.sync.variant), []).append(param.grad)
+    groups = trainer.groups
+    for (axis, variant), grads in by_kind.items():
+        levels = (_sync_span(groups, "inner"), _sync_span(groups, "outer")) if variant == "hierarchical" else None
+        span = _sync_span(groups, axis)
         for bucket in _buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=span.group)
+            flat = reduce_hierarchical(flat, *levels) if levels else reduce_ring(flat, span)
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

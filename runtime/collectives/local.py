@@ -4,6 +4,8 @@ slice    R -> S(d) along an axis: take this rank's rows [offset, offset + length
          Backward zero-pads the gradient to the full size: ranks' gradients sum to the whole,
          a Partial gradient, as the dual of R requires.
 partial  R -> P: the keeper rank keeps the value, the others hold zeros; backward likewise.
+         The zeros are x * 0, so that x's backward (and any collective in it) runs on every
+         rank: a rank that skipped a collective would leave the others waiting.
 """
 
 from __future__ import annotations
@@ -17,4 +19,4 @@ def slice_rows(x: torch.Tensor, dim: int, offset: int, length: int) -> torch.Ten
 
 
 def partial(x: torch.Tensor, keep: bool) -> torch.Tensor:
-    return x if keep else torch.zeros_like(x)
+    return x if keep else x * 0
