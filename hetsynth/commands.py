@@ -83,6 +83,55 @@ def plan_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_args(p: argparse.ArgumentParser) -> None:
+    """train with a plan: torchrun here, or the per-node torchrun commands"""
+    p.add_argument("plan", help="plan file written by hetsynth plan")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--devices", type=int, help="run on the first N devices (plans again for them)")
+    p.add_argument("--check", action="store_true",
+                   help="also train the single-device model and compare losses and parameters")
+    p.add_argument("--tolerance", type=float, default=1e-6, help="for --check (relative loss, abs params)")
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save", help="write a checkpoint at the end")
+    p.add_argument("--resume", help="start from a checkpoint (any plan's)")
+    p.add_argument("--report", help="write the run's JSON report here")
+
+
+def run_run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import hetsynth
+    from instruction_set.plan import load_plan
+    from runtime.launch import RunOptions, run
+
+    plan, path = load_plan(args.plan), args.plan
+    if args.devices is not None and args.devices != plan.cluster.num_devices:
+        plan = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices))
+        path = tempfile.mkstemp(prefix="hetsynth-plan-", suffix=".json")[1]
+        hetsynth.save_plan(plan, path)
+        print(f"planned {plan.model.ref} again for the first {args.devices} devices -> {path}")
+    opts = RunOptions(steps=args.steps, optimizer=args.optimizer, lr=args.lr, timeout_s=args.timeout,
+                      check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
+                      report=args.report)
+    return run(plan, path, opts)
+
+
+def explain_args(p: argparse.ArgumentParser) -> None:
+    """print one rank's generated program and shard table"""
+    p.add_argument("plan")
+    p.add_argument("--rank", type=int, default=0)
+
+
+def explain_run(args: argparse.Namespace) -> int:
+    from instruction_set.plan import load_plan
+    from runtime.explain import explain
+
+    print(explain(load_plan(args.plan), args.rank))
+    return 0
+
+
 def demo_args(p: argparse.ArgumentParser) -> None:
     """the README demo: capture a zoo model for the local emulated cluster"""
     p.add_argument("--model", default="gpt:small-cpu")
@@ -98,5 +147,7 @@ def demo_run(args: argparse.Namespace) -> int:
 COMMANDS = {
     "inspect": (inspect_args, inspect_run),
     "plan": (plan_args, plan_run),
+    "run": (run_args, run_run),
+    "explain": (explain_args, explain_run),
     "demo": (demo_args, demo_run),
 }

@@ -58,6 +58,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     config: TrainConfig
     device: torch.device
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's, whole
     log: list[StepLog] = field(default_factory=list)
 
 
@@ -84,9 +85,14 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     spec = spec or parse_model_ref(plan.model.ref)
     state = full_state(spec, config.seed)
     program = build_rank_program(plan, groups, state=state, device=device)
-    del state
+    buffers = {k: v for k, v in state.items() if k not in _param_names(spec)}
+    del state  # no rank keeps whole copies of the parameters
     optimizer = make_optimizer(list(program.module.parameters()), config)
-    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device))
+    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers)
+
+
+def _param_names(spec: ModelSpec) -> set[str]:
+    return {n for n, _ in spec.build("meta").named_parameters(remove_duplicate=False)}
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -220,7 +226,7 @@ def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig) ->
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     params = dict(model.named_parameters(remove_duplicate=False))
     return losses, {k: v.detach() for k, v in params.items()}
 

@@ -1,0 +1,49 @@
+"""`hetsynth explain plan.json --rank R`: one rank's generated program, readable.
+
+Builds the rank's torch.fx program without any process group (parameters on the meta device)
+and prints its Python code, the collectives it calls with their groups and shard lengths, and
+the rank's shard table: every split tensor's local shape and where its slice starts.
+"""
+
+from __future__ import annotations
+
+from instruction_set.layouts import is_shard
+from instruction_set.plan import Plan, PlanError
+from instruction_set.shards import rank_offset
+from runtime.codegen import build_rank_program, groups_mesh, local_shape
+from runtime.groups import Groups
+
+
+def shard_rows(plan: Plan, rank: int) -> list[list[str]]:
+    mesh = groups_mesh(plan)
+    rows = []
+    for tensor, layouts in plan.shards.items():
+        shape = plan.graph.node(tensor).outputs[0].shape
+        for layout, dims in layouts.items():
+            if not is_shard(layout):
+                continue
+            local = local_shape(plan, tensor, layout, rank, shape)
+            starts = ", ".join(f"dim {d} from {rank_offset(ls, layout, d, mesh, rank)}" for d, ls in dims.items())
+            rows.append([tensor, layout, str(list(shape)), str(list(local)), starts])
+    return rows
+
+
+def explain(plan: Plan, rank: int) -> str:
+    from hetsynth.report import table
+
+    n = plan.cluster.num_devices
+    if not 0 <= rank < n:
+        raise PlanError(f"--rank {rank}: the plan has {n} ranks (0..{n - 1})")
+    mesh = groups_mesh(plan)
+    program = build_rank_program(plan, Groups.local_only(mesh, rank))
+    device = plan.cluster.devices[rank]
+    head = (f"rank {rank} of {n}: device {device.name} ({device.kind}), node {mesh.node(rank)}, "
+            f"local index {mesh.local(rank)}, ratio {plan.sharding_ratios[rank]:.4f}")
+    modules = [f"  {name}: {module}" for name, module in program.module.named_children()]
+    params = [f"  {p.name} ({p.fqn}): {p.layout}, gradient sync: "
+              f"{p.sync.describe() if p.sync else 'none'}" for p in program.params]
+    return "\n".join([
+        head, "", "generated program (torch.fx):", program.module.code.strip(), "",
+        "collectives:", *modules, "", "parameters:", *params, "",
+        "shard table:", table(shard_rows(plan, rank), ["tensor", "layout", "global", "local", "slice starts"]),
+    ])

@@ -1,0 +1,121 @@
+"""One rank of `hetsynth run`, started by torchrun (`python -m runtime.worker ...`).
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK from torchrun, initialises the default process group
+(NCCL with a GPU per rank, gloo on CPUs) with a collective timeout, builds its program from
+the plan, trains, and on rank 0 prints a line per step and writes a JSON report. Any
+failure prints `rank N failed: ...` to stderr and exits 1, so torchrun stops the others.
+
+For tests of the failure path, `HETSYNTH_KILL=<rank>:<step>` makes that rank SIGKILL itself
+at the start of that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from instruction_set.plan import load_plan
+from runtime.checkpoint import load_checkpoint, save_checkpoint
+from runtime.codegen import groups_mesh
+from runtime.groups import Groups
+from runtime.train import TrainConfig, Trainer, assemble, local_parameters, setup, train_step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="runtime.worker")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--report", help="rank 0 writes a JSON report here")
+    p.add_argument("--params-out", help="rank 0 writes the final whole parameters here (torch.save)")
+    p.add_argument("--save", help="checkpoint at the end")
+    p.add_argument("--resume", help="checkpoint to start from")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _kill_point() -> tuple[int, int] | None:
+    spec = os.environ.get("HETSYNTH_KILL")
+    if not spec:
+        return None
+    rank, step = spec.split(":")
+    return int(rank), int(step)
+
+
+def _train(trainer: Trainer, args: argparse.Namespace, start: int) -> list[dict]:
+    rank, kill = trainer.groups.rank, _kill_point()
+    log = []
+    for step in range(start, args.steps):
+        if kill == (rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        entry = train_step(trainer, step)
+        log.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
+        if rank == 0 and not args.quiet:
+            print(f"step {step + 1:4d}/{args.steps}  loss {entry.loss:.6f}  {entry.seconds * 1e3:8.1f} ms",
+                  flush=True)
+    return log
+
+
+def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict]) -> None:
+    if args.save:
+        save_checkpoint(trainer, args.save, args.steps)
+    if args.params_out:
+        gathered = [None] * dist.get_world_size() if trainer.groups.rank == 0 else None
+        dist.gather_object(local_parameters(trainer), gathered, dst=0, group=trainer.groups.group("all"))
+        if trainer.groups.rank == 0:
+            torch.save(assemble(trainer.plan, gathered), args.params_out)
+    if trainer.groups.rank == 0 and args.report:
+        times = [e["seconds"] for e in log[1:]] or [e["seconds"] for e in log]
+        with open(args.report, "w") as f:
+            json.dump({"losses": [e["loss"] for e in log], "step_seconds": [e["seconds"] for e in log],
+                       "median_step_s": statistics.median(times) if times else None,
+                       "world_size": dist.get_world_size()}, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        device = _device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+        plan = load_plan(args.plan)
+        groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD)
+        config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                             max_grad_norm=args.max_grad_norm, seed=args.seed)
+        trainer = setup(plan, groups, config, device)
+        start = load_checkpoint(trainer, args.resume) if args.resume else 0
+        log = _train(trainer, args, start)
+        _finish(trainer, args, log)
+        dist.destroy_process_group()
+        return 0
+    except Exception as err:  # report which rank failed and why, then exit non-zero
+        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        if os.environ.get("HETSYNTH_DEBUG"):
+            traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
