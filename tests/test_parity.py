@@ -72,11 +72,21 @@ def test_planned_uneven(pools, model: str, ratios: list[float]) -> None:
 
 
 @pytest.mark.parametrize("model,ratios", [("gpt", [0.6, 0.4, 0.0, 0.0]), ("vit", [0.5, 0.0, 0.3, 0.2]),
-                                          ("moe", [0.0, 0.7, 0.3, 0.0])])
+                                          ("moe", [0.0, 0.7, 0.3, 0.0]), ("bert", [0.0, 0.6, 0.4]),
+                                          ("vgg", [0.7, 0.0])])
 def test_zero_length_shard(pools, model: str, ratios: list[float]) -> None:
     plan = make(f"{model}:tiny,dtype=float64", ratios)
     assert any(0 in lengths for t in plan.shards.values() for dims in t.values() for lengths in dims.values())
     check(pools, plan)
+
+
+def test_sgd(pools) -> None:
+    global CONFIG
+    saved, CONFIG = CONFIG, TrainConfig(steps=5, optimizer="sgd", lr=0.1, max_grad_norm=None)
+    try:
+        check(pools, make("bert:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1]))
+    finally:
+        CONFIG = saved
 
 
 def _gpt(ratios: list[float], **restrict) -> Plan:
