@@ -7,7 +7,8 @@ for the forward and backward passes together: `flops` from FlopCounterMode (forw
 backward), `bytes` the op's inputs and outputs, read and written once forward and about
 twice backward when a gradient flows (a roofline estimate: Williams et al., CACM 2009).
 A sharded op does `share_i` of that work on device i; replicated work is done in full by every
-device, the slow ones too. Pure views (view, transpose, expand, ...) launch nothing and are free.
+device, the slow ones too. When the op was timed on a reference machine (planner.op_profile)
+the roofline is replaced by `measured_s * reference_flops / throughput_flops_i`. Pure views (view, transpose, expand, ...) launch nothing and are free.
 """
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ def launches(node: Node) -> int:
 
 
 def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,
-                 kinds: Sequence[DeviceKind]) -> LinearCost:
-    """LinearCost of the op: per device, work scales with the share when `sharded`."""
+                 kinds: Sequence[DeviceKind], reference_flops: float | None = None) -> LinearCost:
+    """LinearCost of the op: per device, work scales with the share when `sharded`. With a
+    measured time (planner.op_profile), device i's work is that time scaled by the reference
+    machine's throughput over device i's; else the roofline estimate."""
     n = len(kinds)
     if node.target in FREE_OPS:
         return LinearCost.zero(n)
-    flops = node.flops_fwd + node.flops_bwd
-    moved = op_bytes(node, in_metas)
-    work = [max(flops / k.throughput_flops, moved / (k.memory_bandwidth_gbyte_s * 1e9)) for k in kinds]
+    if node.measured_s is not None and reference_flops:
+        work = [node.measured_s * reference_flops / k.throughput_flops for k in kinds]
+    else:
+        flops = node.flops_fwd + node.flops_bwd
+        moved = op_bytes(node, in_metas)
+        work = [max(flops / k.throughput_flops, moved / (k.memory_bandwidth_gbyte_s * 1e9)) for k in kinds]
     fixed = [launches(node) * k.kernel_launch_us * 1e-6 for k in kinds]
     if sharded:
         return LinearCost(tuple(fixed), tuple(work))

@@ -41,8 +41,11 @@ def capture_model(model: str | nn.Module, example_inputs: Sequence[torch.Tensor]
 def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None = None,
          cluster: ClusterSpec | str | None = None, *, batch_size: int | None = None,
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
-         allow_replicate_fallback: bool = False, progress: bool = False) -> Plan:
-    """Synthesize a Plan for a model reference or a module with its example inputs."""
+         allow_replicate_fallback: bool = False, progress: bool = False,
+         measure_ops: bool = False) -> Plan:
+    """Synthesize a Plan for a model reference or a module with its example inputs.
+    `measure_ops` times the model's ops on this machine (planner.op_profile): for clusters of
+    this machine's CPUs, such as the emulated one."""
     from hetsynth.models import parse_model_ref, with_overrides
     from planner.planner import make_plan
 
@@ -56,13 +59,26 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
         graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
+        if measure_ops:
+            graph = _measured(graph, ref.build("cpu"), ref.make_batch(range(ref.batch_size), seed=1))
     else:
         if example_inputs is None:
             raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
         if batch_size is not None:
             raise ValueError("batch_size applies to model references; slice example_inputs instead")
         graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback)
+        if measure_ops:
+            if any(t.is_meta for t in example_inputs):
+                raise ValueError("measure_ops needs real example inputs (not on the meta device)")
+            graph = _measured(graph, model, example_inputs)
     return make_plan(graph, spec, ratios=ratios, progress=progress)
+
+
+def _measured(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.Tensor]) -> ReferenceGraph:
+    from planner.op_profile import measure_ops
+
+    torch.manual_seed(0)
+    return measure_ops(graph, module, inputs)
 
 
 __all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_model", "load_cluster", "load_plan",

@@ -52,6 +52,8 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratios", help="fix the sharding ratios, e.g. 0.7,0.3 (no LP)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
     p.add_argument("--allow-replicate-fallback", action="store_true")
+    p.add_argument("--measure-ops", action="store_true",
+                   help="time the model's ops on this machine (for clusters of its CPUs, e.g. emulated)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
 
 
@@ -70,7 +72,8 @@ def plan_run(args: argparse.Namespace) -> int:
 
     plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
-                         allow_replicate_fallback=args.allow_replicate_fallback, progress=True)
+                         allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
+                         measure_ops=args.measure_ops)
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
@@ -132,6 +135,36 @@ def explain_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_args(p: argparse.ArgumentParser) -> None:
+    """measure device throughput and collective alpha-beta; write a measured spec"""
+    p.add_argument("--cluster", required=True)
+    p.add_argument("-o", "--output", default="measured.toml")
+    p.add_argument("--seconds", type=float, default=1.0, help="time spent on each compute measurement")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each collective measurement")
+    p.add_argument("--max-bytes", type=int, default=2**20, help="largest message measured")
+
+
+def profile_run(args: argparse.Namespace) -> int:
+    import os
+
+    from cost_models.cluster import load_cluster
+    from runtime.launch import launch
+
+    cluster = load_cluster(args.cluster)
+    output = os.path.abspath(args.output)
+    rc, failure = launch(cluster, ["-m", "runtime.profile_worker", "--cluster", os.path.abspath(args.cluster),
+                                   "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
+                                   "--max-bytes", str(args.max_bytes)])
+    if rc != 0:
+        raise RuntimeError(f"profiling failed: {failure.rank if failure else '?'} ({failure.why if failure else rc})")
+    measured = load_cluster(output)
+    for name, per_class in (measured.calibration.collectives if measured.calibration else {}).items():
+        line = ", ".join(f"{c}: {ab.latency_us:.0f} us, {ab.bandwidth_gbps:.3f} Gbit/s" for c, ab in per_class.items())
+        print(f"  {name:24s} {line}")
+    print(f"wrote {output}")
+    return 0
+
+
 def demo_args(p: argparse.ArgumentParser) -> None:
     """the README demo: capture a zoo model for the local emulated cluster"""
     p.add_argument("--model", default="gpt:small-cpu")
@@ -149,5 +182,6 @@ COMMANDS = {
     "plan": (plan_args, plan_run),
     "run": (run_args, run_run),
     "explain": (explain_args, explain_run),
+    "profile": (profile_args, profile_run),
     "demo": (demo_args, demo_run),
 }

@@ -11,7 +11,8 @@ training IR), in a topological order, as plain data:
   tensor-valued arguments the op reads, in argument order (a tensor passed twice appears
   twice); a rule gives one layout per entry.
 - `Node.outputs` holds one TensorMeta per output (several for split/topk).
-- FLOPs are per op, forward and backward, counted by FlopCounterMode on meta tensors.
+- FLOPs are per op, forward and backward, counted by FlopCounterMode on meta tensors;
+  optionally each op's measured seconds on a reference machine (planner.op_profile).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Node(BaseModel):
     source: str = ""
     fqn: str = ""
     fallback: bool = False
+    measured_s: float | None = None  # forward + backward on the reference device (op profile)
 
     @property
     def out(self) -> TensorMeta:
@@ -88,6 +90,7 @@ class ReferenceGraph(BaseModel):
     nodes: tuple[Node, ...]
     loss: str
     fallback_ops: tuple[str, ...] = ()
+    reference_flops: float | None = None  # matmul FLOP/s of the machine that measured the ops
 
     @cached_property
     def by_name(self) -> dict[str, Node]:
@@ -108,7 +111,7 @@ class ReferenceGraph(BaseModel):
     def fingerprint(self) -> str:
         """Hash of the graph structure (ops, arguments, shapes), independent of the model ref."""
         payload = json.dumps(
-            [n.model_dump(mode="json", exclude={"source", "flops_fwd", "flops_bwd"}) for n in self.nodes],
+            [n.model_dump(mode="json", exclude={"source", "flops_fwd", "flops_bwd", "measured_s"}) for n in self.nodes],
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -182,7 +182,8 @@ class Problem:
         if key not in self._compute:
             rule = self.rules[node.name][rule_index]
             sharded = is_shard(rule.output) or any(is_shard(l) for l in rule.inputs)
-            self._compute[key] = compute_cost(node, self.in_metas(node), sharded, self.kinds)
+            self._compute[key] = compute_cost(node, self.in_metas(node), sharded, self.kinds,
+                                              self.graph.reference_flops)
         return self._compute[key]
 
     def compute_s(self, node: Node, rule_index: int) -> float:

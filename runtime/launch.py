@@ -1,11 +1,17 @@
 """`hetsynth run`: launch a plan with torchrun, on this machine or as per-node commands.
 
-On this machine (a single-node cluster, or one with an `emulation` section) it starts
-`torchrun --standalone` with one process per device of the plan (gloo on CPU) in a new
-process session, streams the ranks' output, and returns torchrun's exit status. torchrun stops
-the other ranks as soon as one fails; collectives also time out after `timeout_s`. A failure
-is reported naming the rank(s) that failed first; nothing is left running (the session is
-killed on exit). For a multi-node cluster it prints the torchrun command for each node.
+- A single-node cluster runs here: `torchrun --standalone` with one process per device (gloo
+  on CPU, NCCL on GPUs).
+- A cluster with an `emulation` section runs here on the emulated cluster
+  (runtime.emulation): one torchrun per node, each inside its node's network namespace, with
+  static rendezvous at node 0's address; each worker joins its device's cgroup. Without
+  root, plain local processes run instead (correctness only) and a note says so.
+- Any other multi-node cluster: the torchrun command for each node is printed.
+
+Every torchrun runs in its own process session, and its output is streamed. torchrun stops a
+node's other ranks as soon as one fails; when a node's torchrun fails, the other nodes'
+sessions are killed; collectives also time out after `timeout_s`. The failure is reported
+naming the rank that failed first, and nothing is left running.
 
 `check` also trains the plain single-device model with the same initialisation, data and
 optimizer and compares the loss of every step and the final parameters.
@@ -20,6 +26,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +36,7 @@ import torch
 from cost_models.cluster import ClusterSpec
 from hetsynth.models import parse_model_ref
 from instruction_set.plan import Plan
+from runtime import emulation
 from runtime.train import TrainConfig, reference_training
 
 
@@ -92,6 +101,7 @@ def _stream(proc: subprocess.Popen) -> Failure | None:
     in_root = False
     for line in proc.stdout:
         sys.stdout.write(line)
+        sys.stdout.flush()
         if "Root Cause" in line:
             in_root = True
         elif in_root and (m := SUMMARY_RANK.match(line)):
@@ -103,23 +113,70 @@ def _stream(proc: subprocess.Popen) -> Failure | None:
     return root or reported
 
 
-def launch_local(plan: Plan, plan_path: str, opts: RunOptions, workdir: str, *,
-                 env: dict[str, str] | None = None, wrapper: list[str] | None = None) -> tuple[int, Failure | None]:
-    """Run torchrun here; returns (exit status, the first failure)."""
-    report = opts.report or os.path.join(workdir, "report.json")
-    params_out = os.path.join(workdir, "params.pt") if opts.check else None
+BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def launch(cluster: ClusterSpec, module_args: list[str]) -> tuple[int, Failure | None]:
+    """Run `python -m <module_args>` on every device of a cluster that runs here; returns
+    (exit status, the first failure). Emulated when the spec asks and root allows."""
+    if cluster.emulation is not None and len(cluster.nodes) > 1:
+        reason = emulation.unavailable()
+        if reason is None:
+            return _launch_emulated(cluster, module_args)
+        print(f"note: not emulating {cluster.name!r} ({reason}); running unshaped local processes "
+              f"(correct results, no link shaping or CPU quotas)", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={plan.cluster.num_devices}", "--monitor-interval=0.5",
-           *worker_args(plan_path, opts, report, params_out)]
-    full_env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
-    proc = subprocess.Popen((wrapper or []) + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=full_env, start_new_session=True)
+           f"--nproc-per-node={cluster.num_devices}", "--monitor-interval=0.5", *module_args]
+    proc = _start(cmd, os.environ | BASE_ENV)
     try:
         failure = _stream(proc)
-        rc = proc.wait()
+        return proc.wait(), failure
     finally:
         _kill_session(proc)
-    return rc, failure
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def _launch_emulated(cluster: ClusterSpec, module_args: list[str]) -> tuple[int, Failure | None]:
+    nodes = len(cluster.nodes)
+    with emulation.Emulation(cluster) as emu:
+        env = os.environ | BASE_ENV | {"GLOO_SOCKET_IFNAME": emulation.IFACE, emulation.ENV: emu.rank_env()}
+        procs = [_start(emu.in_node(i, [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+                                         f"--node-rank={i}", f"--nproc-per-node={len(node.devices)}",
+                                         f"--master-addr={emu.address(0)}", "--master-port=29500",
+                                         "--monitor-interval=0.5", *module_args]), env)
+                 for i, node in enumerate(cluster.nodes)]
+        try:
+            return _wait_all(procs)
+        finally:
+            for proc in procs:
+                _kill_session(proc)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, Failure | None]:
+    """Stream every node's output; on the first failing node, stop the others."""
+    results: dict[int, Failure | None] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, _stream(p)), daemon=True)
+               for i, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    rc = 0
+    while any(p.poll() is None for p in procs):
+        bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if bad:
+            rc = bad[0]
+            for p in procs:
+                _kill_session(p)
+            break
+        time.sleep(0.2)
+    rc = rc or next((p.returncode for p in procs if p.returncode), 0)
+    for t in threads:
+        t.join(timeout=5)
+    failures = [f for f in results.values() if f is not None]
+    return rc, failures[0] if failures else None
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -149,7 +206,10 @@ def run(plan: Plan, plan_path: str, opts: RunOptions) -> int:
         print("\n\n".join(node_commands(plan, plan_path, opts)))
         return 0
     with tempfile.TemporaryDirectory(prefix="hetsynth-run-") as workdir:
-        rc, failure = launch_local(plan, plan_path, opts, workdir)
+        os.chmod(workdir, 0o755)
+        report = opts.report or os.path.join(workdir, "report.json")
+        params_out = os.path.join(workdir, "params.pt") if opts.check else None
+        rc, failure = launch(plan.cluster, worker_args(plan_path, opts, report, params_out))
         if rc != 0:
             who = f"rank {failure.rank} failed ({failure.why})" if failure else "a rank failed"
             print(f"hetsynth run: {who}; the other ranks were stopped (torchrun exit status {rc})",

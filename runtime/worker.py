@@ -26,6 +26,7 @@ import torch.distributed as dist
 from instruction_set.plan import load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.codegen import groups_mesh
+from runtime.emulation import join_device
 from runtime.groups import Groups
 from runtime.train import TrainConfig, Trainer, assemble, local_parameters, setup, train_step
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        join_device()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = _device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if device.type == "cuda" else "gloo"

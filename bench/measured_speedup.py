@@ -1,0 +1,119 @@
+"""Measured speed-ups on the emulated heterogeneous cluster: hetsynth's plan vs DP-EV and DP-CP.
+
+    python bench/measured_speedup.py [--models gpt bert vgg] [--reprofile]
+
+Cluster: configs/clusters/local-emulated.toml emulated on this machine (runtime.emulation):
+two nodes, 2 workers at 0.5 CPU and 2 at 0.25 CPU, 200 Mbit/s between the nodes. It is
+profiled first (`hetsynth profile`, cached in bench/results/local-emulated-measured.toml;
+--reprofile measures again) and every plan is made for the measured spec, with the model's
+ops timed on this machine (planner.op_profile, `hetsynth plan --measure-ops`). For each model's
+`small-cpu` preset, hetsynth's plan, DP-EV (even batch split) and DP-CP (split proportional
+to measured throughput) train on the same workers, interleaved (runtime.compare: warm-up,
+then rounds of a few steps of each plan in turn); the table gives the median step time of
+each, hetsynth's speed-ups, and its predicted step time next to the measured one. Writes
+bench/results/measured_speedup.json as {"models": {name: {hetsynth_s, dp_ev_s, dp_cp_s,
+predicted_s, ...}}}. Needs root for the emulation; without it the processes run unshaped
+and the numbers say nothing about heterogeneity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, ROOT, markdown_table, print_table, write_json
+
+sys.path.insert(0, str(ROOT))
+
+CLUSTER = ROOT / "configs" / "clusters" / "local-emulated.toml"
+MEASURED = RESULTS / "local-emulated-measured.toml"
+
+
+def profile(force: bool) -> Path:
+    if force or not MEASURED.exists():
+        subprocess.run([sys.executable, "-m", "hetsynth", "profile", "--cluster", str(CLUSTER), "-o",
+                        str(MEASURED)], cwd=ROOT, check=True)
+    return MEASURED
+
+
+def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, float]]:
+    """name -> (plan file, predicted step seconds) for hetsynth, DP-EV and DP-CP."""
+    import hetsynth
+    from planner import baselines
+    from planner.planner import make_plan
+
+    from hetsynth.models import parse_model_ref
+    from planner.op_profile import measure_ops
+
+    cluster = hetsynth.load_cluster(str(cluster_path))
+    spec = parse_model_ref(ref)
+    graph = measure_ops(hetsynth.capture_model(ref), spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    made = {
+        "hetsynth": make_plan(graph, cluster, progress=False, with_baselines=False),
+        "dp_ev": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,
+                           progress=False, with_baselines=False),
+        "dp_cp": make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
+                           progress=False, with_baselines=False),
+    }
+    out = {}
+    for name, plan in made.items():
+        path = workdir / f"{name}.json"
+        hetsynth.save_plan(plan, path)
+        out[name] = (str(path), plan.predicted.step_time_s)
+    return out
+
+
+def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
+    from cost_models.cluster import load_cluster
+    from runtime.launch import launch
+
+    report = workdir / "compare.json"
+    names = list(made)
+    rc, failure = launch(load_cluster(cluster_path),
+                         ["-m", "runtime.compare", "--plans", *[made[n][0] for n in names], "--names", *names,
+                          "--warmup", "2", "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)])
+    if rc != 0:
+        raise RuntimeError(f"measurement failed: {failure}")
+    return json.loads(report.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["gpt", "bert", "vgg"])
+    parser.add_argument("--reprofile", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    measured_spec = profile(args.reprofile)
+    results, rows = {}, []
+    for model in args.models:
+        ref = f"{model}:small-cpu"
+        with tempfile.TemporaryDirectory() as tmp:
+            made = plans(ref, measured_spec, Path(tmp))
+            times = measure(measured_spec, made, Path(tmp), args.rounds, args.steps)
+        r = {"hetsynth_s": times["hetsynth"]["median_s"], "dp_ev_s": times["dp_ev"]["median_s"],
+             "dp_cp_s": times["dp_cp"]["median_s"], "predicted_s": made["hetsynth"][1],
+             "predicted_dp_ev_s": made["dp_ev"][1], "predicted_dp_cp_s": made["dp_cp"][1],
+             "wire_bytes_per_step": {n: t["wire_bytes_per_step"] for n, t in times.items()},
+             "step_seconds": {n: t["step_seconds"] for n, t in times.items()}}
+        results[model] = r
+        err = r["predicted_s"] / r["hetsynth_s"] - 1
+        rows.append([model, f"{r['hetsynth_s']:.3f}", f"{r['dp_ev_s']:.3f}", f"{r['dp_cp_s']:.3f}",
+                     f"{r['dp_ev_s'] / r['hetsynth_s']:.2f}x", f"{r['dp_cp_s'] / r['hetsynth_s']:.2f}x",
+                     f"{r['predicted_s']:.3f}", f"{err:+.0%}"])
+        print(rows[-1], flush=True)
+    header = ["model (small-cpu)", "hetsynth s", "DP-EV s", "DP-CP s", "vs DP-EV", "vs DP-CP",
+              "predicted s", "prediction error"]
+    print()
+    print_table(rows, header)
+    print("\n" + markdown_table(rows, header))
+    write_json("measured_speedup.json", {"models": results, "cluster": str(CLUSTER.relative_to(ROOT)),
+                                         "measured_spec": str(MEASURED.relative_to(ROOT))})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Timing helpers shared by the profiler (runtime) and the op profiler (planner).
+
+Under a CPU quota a short call runs at full speed and the throttling falls between calls, so
+timings are sustained: repetitions filling a time budget, timed as one block.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+# Dense matmul shapes of the sizes the zoo models use (M, K, N).
+MATMULS = [(3072, 128, 512), (3072, 512, 128), (1024, 1024, 1024), (32, 3136, 1024)]
+
+
+def sustained_seconds(fn: Callable[[], object], min_seconds: float, sync: Callable[[], None] = lambda: None,
+                      min_calls: int = 3) -> float:
+    """Seconds per call over repetitions filling at least min_seconds (after one warm-up)."""
+    fn()
+    sync()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_seconds or count < min_calls:
+        fn()
+        count += 1
+    sync()
+    return (time.perf_counter() - start) / count
+
+
+def matmul_throughput(device: torch.device, seconds: float) -> float:
+    """FLOP/s: the best of the MATMULS shapes' sustained rates."""
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    rates = []
+    for m, k, n in MATMULS:
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+        rates.append(2 * m * k * n / sustained_seconds(lambda: a @ b, seconds, sync))
+    return max(rates)

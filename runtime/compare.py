@@ -1,0 +1,97 @@
+"""Time several plans of one model on the same ranks, interleaved (`python -m runtime.compare`).
+
+Every rank builds a trainer for each plan, warms each up, then runs `rounds` rounds in which
+each plan trains `steps` steps in turn, so all plans see the same machine conditions. Rank 0
+records every step's wall time; the first rank of each node also reads its node's NIC
+transmit counter (bytes on the inter-node wire, on an emulated cluster) around each plan's
+steps. Rank 0 writes {plan name: {"step_seconds": [...], "median_s": ..., "wire_bytes": ...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from instruction_set.plan import load_plan
+from runtime.codegen import groups_mesh
+from runtime.emulation import IFACE, join_device
+from runtime.groups import Groups
+from runtime.train import TrainConfig, Trainer, setup, train_step
+
+
+def nic_tx_bytes() -> int | None:
+    """Bytes sent by this network namespace's eth0 (None outside an emulated node)."""
+    out = subprocess.run(["ip", "-j", "-s", "link", "show", IFACE], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
+def _wire(groups: Groups, before: int | None) -> int:
+    """Sum over nodes of the bytes their NIC sent since `before` (collective)."""
+    mine = 0
+    if groups.mesh.local(groups.rank) == 0 and before is not None:
+        mine = (nic_tx_bytes() or 0) - before
+    total = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def _steps(trainer: Trainer, first: int, count: int) -> list[float]:
+    return [train_step(trainer, first + i).seconds for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="runtime.compare")
+    p.add_argument("--plans", nargs="+", required=True)
+    p.add_argument("--names", nargs="+", required=True)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2, help="steps per plan per round")
+    p.add_argument("--report", required=True)
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        join_device()
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        trainers = {}
+        for name, path in zip(args.names, args.plans):
+            plan = load_plan(path)
+            trainers[name] = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD),
+                                   TrainConfig(steps=0))
+        times: dict[str, list[float]] = {n: [] for n in trainers}
+        wire: dict[str, int] = {n: 0 for n in trainers}
+        step = {n: 0 for n in trainers}
+        for name, trainer in trainers.items():
+            _steps(trainer, 0, args.warmup)
+            step[name] = args.warmup
+        for _ in range(args.rounds):
+            for name, trainer in trainers.items():
+                before = nic_tx_bytes() if trainer.groups.mesh.local(rank) == 0 else None
+                times[name] += _steps(trainer, step[name], args.steps)
+                wire[name] += _wire(trainer.groups, before)
+                step[name] += args.steps
+        if rank == 0:
+            steps = args.rounds * args.steps
+            with open(args.report, "w") as f:
+                json.dump({n: {"step_seconds": t, "median_s": statistics.median(t),
+                               "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except Exception as err:  # name the failed rank, exit non-zero
+        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

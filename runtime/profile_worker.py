@@ -1,0 +1,64 @@
+"""One rank of `hetsynth profile`, started by torchrun (`python -m runtime.profile_worker`).
+
+Every rank measures its compute, then all ranks time the collectives on all ranks and on each
+node's ranks (runtime.profiler); rank 0 fits alpha-beta and writes the measured spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from cost_models.cluster import dump_cluster_toml, load_cluster
+from instruction_set.mesh import Mesh
+from runtime.emulation import join_device
+from runtime.groups import Groups
+from runtime.profiler import measure_collectives, measure_compute, measured_spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="runtime.profile_worker")
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--seconds", type=float, default=1.0, help="time per compute measurement")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per collective measurement")
+    p.add_argument("--max-bytes", type=int, default=2**20)
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        join_device()
+        torch.set_num_threads(1)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
+        cluster = load_cluster(args.cluster)
+        mesh = Mesh.of([len(n.devices) for n in cluster.nodes])
+        groups = Groups.create(mesh, rank, world=dist.group.WORLD)
+        compute = measure_compute(device, args.seconds)
+        sizes = [s for s in (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20) if s <= args.max_bytes]
+        records = {("inter" if len(cluster.nodes) > 1 else "intra"): measure_collectives(groups, "all", sizes, device, args.reps)}
+        if mesh.two_level:
+            records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(compute, gathered, dst=0)
+        if rank == 0:
+            spec = measured_spec(cluster, gathered, records)
+            with open(args.output, "w") as f:
+                f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
+            for d, c in zip(cluster.devices, gathered):
+                print(f"{d.name:12s} {d.kind:10s} {c['throughput_flops'] / 1e9:8.2f} GFLOP/s  "
+                      f"{c['memory_bandwidth_gbyte_s']:6.2f} GB/s  launch {c['kernel_launch_us']:6.1f} us", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except Exception as err:  # name the failed rank, exit non-zero
+        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Measure a cluster: device throughput and alpha-beta of every collective variant.
+
+Run on every rank (`hetsynth profile`, via runtime.profile_worker), on an emulated cluster
+inside its quotas and shaped links, or on a real one (NCCL on GPUs):
+
+- compute: dense matmuls of the sizes the zoo models use (FLOP/s, the best of the sizes'
+  sustained rates, cost_models.measure), a large elementwise add (memory bandwidth), a tiny
+  op (per-op launch overhead, what eager execution of a captured graph pays per op);
+- communication: every collective variant of the runtime, on all ranks (link class "inter"
+  when the cluster has several nodes) and on each node's ranks ("intra"), for message sizes
+  from 64 KiB up and shards from even to skewed; then for each (variant, link class) the
+  alpha and beta of the cost model's own formula (cost_models.comm) fitted by least squares
+  on relative error:   t = k_alpha * alpha + k_bytes(shares, D) / beta.
+
+Rank 0 writes the spec with the measured figures (device kinds marked measured) and the
+calibration; it loads like any other spec.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cost_models.calibration import AlphaBeta, Calibration
+from cost_models.cluster import ClusterSpec
+from cost_models.comm import CommModel
+from cost_models.measure import matmul_throughput, sustained_seconds
+from instruction_set.shards import largest_remainder
+from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
+from runtime.collectives.allreduce import reduce_ring
+from runtime.groups import Groups
+
+SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest
+
+
+def _time_collective(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    """Median seconds of a collective over a fixed number of repetitions (every rank runs
+    the same number of calls), after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_compute(device: torch.device, seconds: float) -> dict[str, float]:
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    big = torch.randn(8 * 2**20, device=device)  # a fresh output per call, as in training
+    bandwidth = 3 * big.numel() * 4 / sustained_seconds(lambda: big + big, seconds, sync)
+    tiny = torch.ones(1, device=device)
+    launch = sustained_seconds(lambda: tiny + tiny, seconds / 4, sync)
+    return {"throughput_flops": matmul_throughput(device, seconds), "memory_bandwidth_gbyte_s": bandwidth / 1e9,
+            "kernel_launch_us": launch * 1e6}
+
+
+def _shares(g: int, skew: tuple[float, float] | None) -> list[float]:
+    if skew is None:
+        return [1.0 / g] * g
+    return [skew[0]] + [skew[1] / (g - 1)] * (g - 1)
+
+
+CASES: dict[str, Callable] = {
+    "all_gather.padded": lambda x, s, d: all_gather(x, s, "padded"),
+    "all_gather.grouped": lambda x, s, d: all_gather(x, s, "grouped"),
+    "all_gather.ring": lambda x, s, d: all_gather(x, s, "ring"),
+    "reduce_scatter.padded": lambda x, s, d: reduce_scatter(x, s, "padded"),
+    "reduce_scatter.grouped": lambda x, s, d: reduce_scatter(x, s, "grouped"),
+    "reduce_scatter.ring": lambda x, s, d: reduce_scatter(x, s, "ring"),
+    "all_reduce.ring": lambda x, s, d: reduce_ring(x, s),
+    "all_to_all.native": lambda x, s, d: all_to_all(x, s, d),
+}
+
+
+def _input(case: str, span: Span, rows: int, cols: int, device: torch.device) -> tuple:
+    kind = case.split(".")[0]
+    if kind == "all_gather":
+        return torch.randn(span.my_length, cols, device=device), span, None
+    if kind == "all_to_all":
+        dst = Span(span.group, span.members, span.index, 1, span.lengths)
+        src = Span(span.group, span.members, span.index, 0, span.lengths)
+        return torch.randn(span.my_length, rows, device=device), src, dst
+    return torch.randn(rows, cols, device=device), span, None
+
+
+def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device: torch.device,
+                        reps: int, skews: Sequence[tuple[float, float] | None] = SKEWS,
+                        cases: Sequence[str] | None = None) -> list[dict]:
+    """Time every case on my group along `axis` for each size and skew (the first member's
+    share, the rest split evenly); every rank calls it (collective)."""
+    g = len(groups.members(axis))
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    out = []
+    for case in cases or list(CASES):
+        fn = CASES[case]
+        for nbytes in sizes:
+            for skew in skews:
+                cols = 64
+                rows = max(g, nbytes // (4 * cols))
+                shares = _shares(g, skew)
+                lengths = tuple(largest_remainder(shares, rows))
+                span = Span(groups.group(axis), tuple(groups.members(axis)), groups.index(axis), 0, lengths)
+                x, s, d = _input(case, span, rows, cols, device)
+                dist.barrier()
+                t = _time_collective(lambda: fn(x, s, d), reps, sync)
+                out.append({"case": case, "bytes": rows * cols * 4, "shares": [n / rows for n in lengths],
+                            "group": g, "seconds": t})
+    return out
+
+
+def fit(records: Sequence[dict], cluster: ClusterSpec, link_class: str) -> dict[str, AlphaBeta]:
+    """Least-squares alpha and beta per case from the cost model's formulas."""
+    model = CommModel(cluster)
+    fits = {}
+    for case in CASES:
+        rows = [r for r in records if r["case"] == case]
+        if not rows:
+            continue
+        kind, variant = case.split(".")
+        design, target = [], []
+        for r in rows:
+            unit_alpha = _coefficients(model, kind, variant, r, alpha=1.0, beta_inv=0.0)
+            unit_bytes = _coefficients(model, kind, variant, r, alpha=0.0, beta_inv=1.0)
+            design.append([unit_alpha / r["seconds"], unit_bytes / r["seconds"]])
+            target.append(1.0)
+        alpha, beta_inv = nonnegative_fit(np.array(design), np.array(target))
+        bandwidth = min(8 / beta_inv / 1e9, MAX_GBPS) if beta_inv > 0 else MAX_GBPS
+        fits[case] = AlphaBeta(latency_us=alpha * 1e6, bandwidth_gbps=bandwidth)
+    return fits
+
+
+MAX_GBPS = 10_000.0  # a latency-bound fit cannot tell bandwidths beyond this apart
+
+
+def nonnegative_fit(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Least squares for two non-negative unknowns (the unconstrained solution, or the best
+    with one of them at 0)."""
+    x, *_ = np.linalg.lstsq(a, b, rcond=None)
+    if (x >= 0).all():
+        return float(x[0]), float(x[1])
+    best = None
+    for keep in (0, 1):
+        col = a[:, keep]
+        v = max(float(col @ b / (col @ col)), 0.0) if col @ col > 0 else 0.0
+        sol = (v, 0.0) if keep == 0 else (0.0, v)
+        err = float(np.sum((a @ np.array(sol) - b) ** 2))
+        if best is None or err < best[0]:
+            best = (err, sol)
+    return best[1]
+
+
+def _coefficients(model: CommModel, kind: str, variant: str, r: dict, alpha: float, beta_inv: float) -> float:
+    """The formula's value for one record with the given alpha (s) and 1/beta (s/byte)."""
+    g, shares, d = r["group"], r["shares"], r["bytes"] * beta_inv
+    if kind in ("all_gather", "reduce_scatter"):
+        if variant == "padded":
+            return (g - 1) * (alpha + max(shares) * d)
+        if variant == "ring":
+            return (g - 1) * alpha + (1 - min(shares)) * d
+        return g * alpha + d
+    if kind == "all_reduce":
+        return 2 * (g - 1) * alpha + 2 * (g - 1) / g * d
+    return (g - 1) * alpha + max(shares) * d
+
+
+def calibration(records: dict[str, list[dict]], cluster: ClusterSpec) -> Calibration:
+    collectives: dict[str, dict[str, AlphaBeta]] = {}
+    for link_class, rows in records.items():
+        for case, ab in fit(rows, cluster, link_class).items():
+            collectives.setdefault(case, {})[link_class] = ab
+    return Calibration(collectives=collectives, source="hetsynth profile")
+
+
+def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[str, list[dict]]) -> ClusterSpec:
+    kinds = {}
+    for kind, spec in cluster.device_kinds.items():
+        rows = [c for c, d in zip(compute, cluster.devices) if d.kind == kind]
+        mean = lambda key: statistics.mean(r[key] for r in rows)
+        kinds[kind] = spec.model_copy(update={
+            "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
+            "kernel_launch_us": mean("kernel_launch_us"), "measured": True})
+    return cluster.model_copy(update={"device_kinds": kinds, "calibration": calibration(records, cluster)})
