@@ -48,7 +48,7 @@ def environment(name: str, workdir: Path) -> Path:
     spec_path.write_text(dump_cluster_toml(base))
     measured = RESULTS / f"collectives-{name}-measured.toml"
     subprocess.run([sys.executable, "-m", "hetsynth", "profile", "--cluster", str(spec_path), "-o",
-                    str(measured), "--max-bytes", str(4 * 2**20)], cwd=ROOT, check=True, capture_output=True)
+                    str(measured)], cwd=ROOT, check=True, capture_output=True)
     return measured
 
 
@@ -100,13 +100,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--envs", nargs="+", default=["emulated", "local"])
     parser.add_argument("--quick", action="store_true", help="sizes up to 1 MiB, one repetition")
+    parser.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default 64 KiB to 64 MiB)")
     args = parser.parse_args()
-    sizes = SIZES[:2] if args.quick else SIZES
+    sizes = args.sizes or (SIZES[:2] if args.quick else SIZES)
     results, all_rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for env in args.envs:
             spec = environment(env, Path(tmp))
-            records = measure(spec, sizes, 1 if args.quick else 2, Path(tmp))
+            records = measure(spec, sizes, 1 if args.quick else 5, Path(tmp))
             rows, score = analyse(env, spec, records)
             results[env] = {"records": records, "score": score, "spec": str(spec.relative_to(ROOT))}
             all_rows += rows

@@ -99,7 +99,8 @@ def main() -> None:
              "dp_cp_s": times["dp_cp"]["median_s"], "predicted_s": made["hetsynth"][1],
              "predicted_dp_ev_s": made["dp_ev"][1], "predicted_dp_cp_s": made["dp_cp"][1],
              "wire_bytes_per_step": {n: t["wire_bytes_per_step"] for n, t in times.items()},
-             "step_seconds": {n: t["step_seconds"] for n, t in times.items()}}
+             "step_seconds": {n: t["step_seconds"] for n, t in times.items()},
+             "phases_by_rank": {n: t["phases_by_rank"] for n, t in times.items()}}
         results[model] = r
         err = r["predicted_s"] / r["hetsynth_s"] - 1
         rows.append([model, f"{r['hetsynth_s']:.3f}", f"{r['dp_ev_s']:.3f}", f"{r['dp_cp_s']:.3f}",

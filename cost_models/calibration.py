@@ -2,7 +2,8 @@
 
 The alpha-beta model charges a message of `b` bytes `alpha + b / beta`. The profiler fits
 alpha (latency, us) and beta (bandwidth, Gbit/s) per link class ("intra" for devices of one
-node, "inter" across nodes) and per collective variant (for example "all_gather.ring"), by
+node, "inter" for groups of all devices across nodes, "outer" for the concurrent groups of one
+device per node, which share each node's NIC) and per collective variant (for example "all_gather.ring"), by
 least squares over message sizes (runtime.profiler). Variants without a fit fall back to the
 link figures of the cluster spec.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LINK_CLASSES = ("intra", "inter")
+LINK_CLASSES = ("intra", "inter", "outer")
 
 
 class AlphaBeta(BaseModel):

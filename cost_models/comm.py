@@ -7,15 +7,21 @@ group of g devices along one axis of the mesh (instruction_set.mesh):
           spans nodes, else the intra-node link)
   inner   the devices of one node, every node at once; the intra-node link
   outer   one device per node, every local index at once: the per_node concurrent groups
-          share each node's NIC, so beta is the NIC's bandwidth / per_node
+          share each node's NIC, so beta is the NIC's bandwidth / per_node (or the profiled
+          "outer" fit, measured with all those groups at once)
 
 A profiled `Calibration` replaces alpha and beta per variant and link class. With D the bytes
 of the (per group) tensor and s_i device i's share of the split dim within its group:
 
   all_gather / reduce_scatter
     padded   (g-1) * (alpha + max_i s_i * D / beta)   pad to the largest shard, one ring
-    ring     (g-1) * alpha + (1 - min_i s_i) * D / beta  point-to-point ring, exact sizes;
-             every link carries all shards but its receiver's own
+    ring     point-to-point ring, exact sizes, g-1 steps, in every step each member sends
+             the shard it received last, so every shard is in flight in every step:
+             on equal links (one node, or the inner / outer axis) each step waits for the
+             largest shard:  (g-1) * (alpha + max_i s_i * D / beta);
+             across nodes the few slow cross-node links dominate, each carrying every shard
+             but its receiver's own:  (g-1) * alpha + (1 - min_i s_i) * D / beta_nic
+             (a lower bound when one big shard crosses two slow links)
     grouped  g * alpha + D / beta                      one (pipelined) broadcast / reduce per
              root, no padding (Thakur et al., IJHPCA 2005; uneven: HAP, EuroSys'24)
   all_reduce
@@ -66,6 +72,25 @@ ADJOINT: dict[str, str | None] = {
 LOCAL = frozenset({"slice", "partial"})
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb)
+
+
+def collective_form(kind: str, variant: str, g: int, alpha: float, d: float, *,
+                    uniform: bool) -> tuple[float, float]:
+    """(a, b) of `max_i a + b * s_i` for one collective on a group of g with latency `alpha`
+    and `d` = bytes / beta seconds (the formulas of the module docstring; `uniform`: every
+    link of the ring is alike)."""
+    if kind in ("all_gather", "reduce_scatter"):
+        if variant == "padded" or (variant == "ring" and uniform):
+            return (g - 1) * alpha, (g - 1) * d
+        if variant == "ring":
+            return (g - 1) * alpha + d, -d
+        if variant == "grouped":
+            return g * alpha + d, 0.0
+    if kind in ("all_reduce", "all_reduce_max"):
+        return 2 * (g - 1) * alpha + 2 * (g - 1) / g * d, 0.0
+    if kind == "all_to_all":
+        return (g - 1) * alpha, d
+    raise ValueError(f"unknown collective {kind}.{variant}")
 
 
 @dataclass(frozen=True)
@@ -121,13 +146,24 @@ class CommModel:
         """(alpha seconds, beta bytes/second): calibrated for the variant, else the spec's link."""
         key = (kind, variant, axis)
         if key not in self._alpha_beta:
-            cal = self.cluster.calibration
-            fit = cal.lookup(f"{kind}.{variant}", self.link_class(axis)) if cal else None
-            if fit is not None and axis == "outer":
-                fit = AlphaBeta(latency_us=fit.latency_us, bandwidth_gbps=fit.bandwidth_gbps / self.mesh.per_node)
-            ab = fit or self.link(axis)
+            ab = self._calibrated(kind, variant, axis) or self.link(axis)
             self._alpha_beta[key] = (ab.latency_us * 1e-6, ab.bandwidth_gbps * 1e9 / 8)
         return self._alpha_beta[key]
+
+    def _calibrated(self, kind: str, variant: str, axis: str) -> AlphaBeta | None:
+        """The profiled fit for a collective along `axis`: the outer axis's own (measured with
+        all its groups at once), else the all-device fit with the NIC shared per_node ways.
+        The cross-node step of the hierarchical all-reduce is an outer-axis ring."""
+        cal = self.cluster.calibration
+        if cal is None:
+            return None
+        name = "all_reduce.ring" if (kind, variant) == ("all_reduce", "hierarchical") else f"{kind}.{variant}"
+        if axis == "outer":
+            fit = cal.lookup(name, "outer") or cal.lookup(name, "inter")
+            if fit is not None and cal.lookup(name, "outer") is None:
+                fit = AlphaBeta(latency_us=fit.latency_us, bandwidth_gbps=fit.bandwidth_gbps / self.mesh.per_node)
+            return fit
+        return cal.lookup(name, self.link_class(axis))
 
     def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all") -> LinearCost:
         """Forward cost of one collective on `nbytes` per group, along `axis`."""
@@ -137,19 +173,9 @@ class CommModel:
         if kind == "all_reduce" and variant == "hierarchical":
             return LinearCost.constant(self._hierarchical_allreduce(nbytes, axis), n)
         alpha, beta = self.alpha_beta(kind, variant, axis)
-        d = nbytes / beta
-        if kind in ("all_gather", "reduce_scatter"):
-            if variant == "padded":
-                return LinearCost(((g - 1) * alpha,) * n, ((g - 1) * d,) * n)
-            if variant == "ring":
-                return LinearCost(((g - 1) * alpha + d,) * n, (-d,) * n)
-            if variant == "grouped":
-                return LinearCost.constant(g * alpha + d, n)
-        if kind in ("all_reduce", "all_reduce_max"):
-            return LinearCost.constant(2 * (g - 1) * alpha + 2 * (g - 1) / g * d, n)
-        if kind == "all_to_all":
-            return LinearCost(((g - 1) * alpha,) * n, (d,) * n)
-        raise ValueError(f"unknown collective {kind}.{variant}")
+        uniform = self.link_class(axis) == "intra" or axis == "outer"
+        a, b = collective_form(kind, variant, g, alpha, nbytes / beta, uniform=uniform)
+        return LinearCost((a,) * n, (b,) * n)
 
     @property
     def hierarchical(self) -> bool:

@@ -9,10 +9,21 @@ twice backward when a gradient flows (a roofline estimate: Williams et al., CACM
 A sharded op does `share_i` of that work on device i; replicated work is done in full by every
 device, the slow ones too. When the op was timed on a reference machine (planner.op_profile)
 the roofline is replaced by `measured_s * reference_flops / throughput_flops_i`. Pure views (view, transpose, expand, ...) launch nothing and are free.
+
+The optimizer step of a trained parameter is memory-bound work on every device that holds
+it (its share when sharded, all of it when replicated):
+
+    update_i = UPDATE_PASSES * param_bytes / memory_bandwidth_i
+
+UPDATE_PASSES = 16 counts the passes over the parameter's bytes: the gradient bucket's
+flatten and copy-back (4), the global-norm clipping's float64 square-sum and rescale (5), and
+AdamW's reads of parameter, gradient and both moments and writes of three (7). A measured
+update time (planner.op_profile) replaces the estimate, scaled like the ops.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.cluster import DeviceKind
@@ -38,16 +49,29 @@ def launches(node: Node) -> int:
     return 1 + (2 if any(o.requires_grad for o in node.outputs) else 0)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The machine that timed the ops (planner.op_profile), by its matmul FLOP/s. (Scaling
+    memory-bound ops by a streaming-bandwidth ratio instead was tried: on this machine that
+    kernel's rate varies threefold between processes with the last-level cache's state.)"""
+
+    flops: float
+
+    def scales(self, kinds: Sequence[DeviceKind]) -> list[float]:
+        """Per device: how much longer an op takes there than on the reference machine."""
+        return [self.flops / k.throughput_flops for k in kinds]
+
+
 def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,
-                 kinds: Sequence[DeviceKind], reference_flops: float | None = None) -> LinearCost:
+                 kinds: Sequence[DeviceKind], reference: Reference | None = None) -> LinearCost:
     """LinearCost of the op: per device, work scales with the share when `sharded`. With a
-    measured time (planner.op_profile), device i's work is that time scaled by the reference
-    machine's throughput over device i's; else the roofline estimate."""
+    measured time (planner.op_profile), device i's work is that time scaled from the
+    reference machine to device i (Reference.scales); else the roofline estimate."""
     n = len(kinds)
     if node.target in FREE_OPS:
         return LinearCost.zero(n)
-    if node.measured_s is not None and reference_flops:
-        work = [node.measured_s * reference_flops / k.throughput_flops for k in kinds]
+    if node.measured_s is not None and reference is not None:
+        work = [node.measured_s * x for x in reference.scales(kinds)]
     else:
         flops = node.flops_fwd + node.flops_bwd
         moved = op_bytes(node, in_metas)
@@ -55,6 +79,28 @@ def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,
     fixed = [launches(node) * k.kernel_launch_us * 1e-6 for k in kinds]
     if sharded:
         return LinearCost(tuple(fixed), tuple(work))
+    return LinearCost(tuple(f + w for f, w in zip(fixed, work)), (0.0,) * n)
+
+
+UPDATE_PASSES = 16.0
+
+
+def update_cost(node: Node, sharded: bool, kinds: Sequence[DeviceKind],
+                measured: tuple[float, float] | None = None, reference: Reference | None = None) -> LinearCost:
+    """LinearCost of the optimizer step of parameter `node` (zero when it is not trained).
+    `measured` = (seconds per parameter, seconds per byte) on the reference machine."""
+    n = len(kinds)
+    if not node.out.requires_grad:
+        return LinearCost.zero(n)
+    if measured is not None and reference is not None:
+        scale = reference.scales(kinds)
+        fixed = tuple(measured[0] * x for x in scale)
+        work = tuple(measured[1] * node.out.nbytes * x for x in scale)
+    else:
+        fixed = (0.0,) * n
+        work = tuple(UPDATE_PASSES * node.out.nbytes / (k.memory_bandwidth_gbyte_s * 1e9) for k in kinds)
+    if sharded:
+        return LinearCost(fixed, work)
     return LinearCost(tuple(f + w for f, w in zip(fixed, work)), (0.0,) * n)
 
 

@@ -36,3 +36,13 @@ def matmul_throughput(device: torch.device, seconds: float) -> float:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
         rates.append(2 * m * k * n / sustained_seconds(lambda: a @ b, seconds, sync))
     return max(rates)
+
+
+def memory_bandwidth(device: torch.device, seconds: float) -> float:
+    """Bytes/s of a streaming elementwise add into a preallocated output (two 32 MiB reads,
+    one 32 MiB write): a fresh output per call would time the allocator's page faults, which
+    vary with the process's malloc state."""
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    big = torch.randn(8 * 2**20, device=device)
+    out = torch.empty_like(big)
+    return 3 * big.numel() * 4 / sustained_seconds(lambda: torch.add(big, big, out=out), seconds, sync)

@@ -166,9 +166,13 @@ def profile_run(args: argparse.Namespace) -> int:
 
 
 def demo_args(p: argparse.ArgumentParser) -> None:
-    """the README demo: capture a zoo model for the local emulated cluster"""
+    """the README demo: plan a model for the local emulated cluster, run it and DP-EV there"""
     p.add_argument("--model", default="gpt:small-cpu")
     p.add_argument("--cluster", default="configs/clusters/local-emulated.toml")
+    p.add_argument("--profile", action="store_true", help="measure the cluster again first")
+    p.add_argument("--warmup", type=int, default=2, help="steps of each plan before timing")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of 2 steps of each plan")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="relative loss difference (float32)")
 
 
 def demo_run(args: argparse.Namespace) -> int:

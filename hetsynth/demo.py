@@ -1,20 +1,121 @@
-"""`make demo`: capture GPT small-cpu and show the emulated cluster it will be planned for."""
+"""`make demo`: plan GPT small-cpu for the local emulated cluster, run the plan and DP-EV side
+by side on it, print the measured speed-up and the parity check against one device.
+
+Steps:
+  1. the cluster: configs/clusters/local-emulated.toml, with its measured figures from
+     bench/results/local-emulated-measured.toml when that exists (`hetsynth profile` wrote
+     it; `--profile` measures again), emulated on this machine (network namespaces, shaped
+     links, CPU quotas; runtime.emulation) when root, else plain local processes;
+  2. capture the model, time its ops here (planner.op_profile), synthesize the plan and the
+     DP-EV baseline (even batch split) for the cluster;
+  3. train both on the same workers, interleaved (runtime.compare), and print the median step
+     times, the speed-up and the prediction;
+  4. train the single-device model as many steps and compare every step's global loss.
+Exit status 1 when the losses differ by more than the tolerance.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-from cost_models.cluster import load_cluster
-from hetsynth import capture_model
-from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
-from planner.capture import summarize
+from cost_models.cluster import ClusterSpec, load_cluster
+from hetsynth.report import cluster_summary, cluster_summary_text, plan_summary_text
+from instruction_set.plan import Plan, save_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "bench" / "results" / "local-emulated-measured.toml"
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def demo_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, str]:
+    """The spec to plan for, and its file: measured when available."""
+    base = Path(args.cluster)
+    if args.profile:
+        subprocess.run([sys.executable, "-m", "hetsynth", "profile", "--cluster", str(base), "-o", str(MEASURED)],
+                       check=True)
+    if base.resolve() == (ROOT / "configs" / "clusters" / "local-emulated.toml").resolve() and MEASURED.exists():
+        return load_cluster(MEASURED), str(MEASURED.relative_to(ROOT))
+    return load_cluster(base), str(base)
+
+
+def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
+    from hetsynth import capture_model
+    from hetsynth.models import parse_model_ref
+    from planner import baselines
+    from planner.op_profile import measure_ops
+    from planner.planner import make_plan
+
+    spec = parse_model_ref(model)
+    start = time.perf_counter()
+    graph = measure_ops(capture_model(model), spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    print(f"captured {model} and timed its ops on this machine in {time.perf_counter() - start:.1f} s")
+    return {"hetsynth": make_plan(graph, cluster, progress=True),
+            "DP-EV": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,
+                               progress=False, with_baselines=False)}
+
+
+def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace) -> dict:
+    from runtime.launch import launch
+
+    paths = []
+    for name, plan in plans.items():
+        paths.append(str(workdir / f"{name}.json"))
+        save_plan(plan, paths[-1])
+    report = workdir / "compare.json"
+    rc, failure = launch(cluster, ["-m", "runtime.compare", "--plans", *paths, "--names", *plans,
+                                   "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+                                   "--steps", "2", "--report", str(report)])
+    if rc != 0:
+        raise RuntimeError(f"the demo run failed: {failure.rank if failure else '?'} "
+                           f"({failure.why if failure else f'exit status {rc}'})")
+    return json.loads(report.read_text())
+
+
+def parity(model: str, measured: dict, tolerance: float) -> bool:
+    """Every plan's global loss per step against single-device training."""
+    from hetsynth.models import parse_model_ref
+    from runtime.train import TrainConfig, reference_training
+
+    steps = max(len(m["losses"]) for m in measured.values())
+    spec = parse_model_ref(model)
+    expected, _ = reference_training(spec, spec.batch_size, TrainConfig(steps=steps))
+    ok = True
+    for name, m in measured.items():
+        err = max(abs(g - w) / abs(w) for g, w in zip(m["losses"], expected))
+        ok &= err <= tolerance
+        print(f"{name:9s} {len(m['losses'])} steps: largest relative loss difference {err:.2e} "
+              f"({'ok' if err <= tolerance else 'FAILED'}, tolerance {tolerance:g}); "
+              f"last loss {m['losses'][-1]:.4f} vs {expected[len(m['losses']) - 1]:.4f}")
+    return ok
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    print(cluster_summary_text(cluster_summary(load_cluster(args.cluster))))
-    start = time.perf_counter()
-    graph = capture_model(args.model)
-    print(f"\ncaptured {args.model} in {time.perf_counter() - start:.2f} s\n")
-    print(graph_summary_text(summarize(graph)))
-    return 0
+    from runtime import emulation
+
+    cluster, source = demo_cluster(args)
+    _section(f"cluster ({source})")
+    print(cluster_summary_text(cluster_summary(cluster)))
+    reason = emulation.unavailable()
+    print("emulated on this machine: one network namespace per node, shaped links, CPU quotas" if reason is None
+          else f"not emulated ({reason}): plain local processes, correctness only, timings say nothing")
+    _section(f"plan {args.model}")
+    plans = make_plans(args.model, cluster)
+    print(plan_summary_text(plans["hetsynth"]))
+    _section("run: hetsynth's plan and DP-EV, interleaved on the same workers")
+    with tempfile.TemporaryDirectory(prefix="hetsynth-demo-") as tmp:
+        measured = compare(cluster, plans, Path(tmp), args)
+    het, ev = measured["hetsynth"]["median_s"], measured["DP-EV"]["median_s"]
+    print(f"median step: hetsynth {het:.3f} s (predicted {plans['hetsynth'].predicted.step_time_s:.3f} s), "
+          f"DP-EV {ev:.3f} s (predicted {plans['DP-EV'].predicted.step_time_s:.3f} s)")
+    print(f"measured speed-up over DP-EV: {ev / het:.2f}x")
+    _section("parity with single-device training")
+    return 0 if parity(args.model, measured, args.tolerance) else 1

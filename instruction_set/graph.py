@@ -91,6 +91,16 @@ class ReferenceGraph(BaseModel):
     loss: str
     fallback_ops: tuple[str, ...] = ()
     reference_flops: float | None = None  # matmul FLOP/s of the machine that measured the ops
+    update_s: tuple[float, float] | None = None  # optimizer step there: (s per parameter, s per byte)
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ReferenceGraph":
+        """A copy with fields replaced; the cached lookups (by_name, consumers, fingerprint)
+        are dropped so that they describe the new nodes, not the old ones."""
+        new = super().model_copy(update=update, deep=deep)
+        for name, attr in vars(type(self)).items():
+            if isinstance(attr, cached_property):
+                new.__dict__.pop(name, None)
+        return new
 
     @cached_property
     def by_name(self) -> dict[str, Node]:

@@ -65,7 +65,8 @@ def _compute_term(pb: Problem, ins: Instruction) -> Term:
 
 def _param_term(pb: Problem, ins: Instruction) -> Term:
     mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.n)
-    return Term(LinearCost.zero(pb.n), pb.shares(ins.tensor, ins.layout), lp_kind([ins.layout]), False, mem)
+    update = pb.update_linear(ins.tensor, ins.layout)
+    return Term(update, pb.shares(ins.tensor, ins.layout), lp_kind([ins.layout]), True, mem)
 
 
 def _sync_term(pb: Problem, ins: Instruction) -> Term:

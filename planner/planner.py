@@ -255,3 +255,19 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
                                  rounds=stats.rounds, heuristic="compute suffix + pending conversions",
                                  exact=stats.exact),
     )
+
+
+def without_sfb(plan: Plan) -> Plan:
+    """The same plan with every SFB weight synchronised by a backward all-reduce instead
+    (same layouts, ratios and shard lengths), re-predicted: the control of the SFB benchmark."""
+    restrictions = Restrictions(two_level=plan.mesh[0] > 1)
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
+    program = []
+    for ins in plan.instructions:
+        if ins.kind == "sfb":
+            nbytes = pb.meta(ins.tensor).nbytes
+            ins = Instruction(kind="all_reduce", tensor=ins.tensor, layout="R", src="P", phase="backward",
+                              variant=pb.comm.gradient_variant(nbytes))
+        program.append(ins)
+    prediction = predict(pb, program_terms(pb, program))
+    return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction})

@@ -17,13 +17,14 @@ Costs are seconds per training step (forward and backward).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
 from cost_models.cluster import ClusterSpec, DeviceKind
 from cost_models.comm import VARIANTS, CommModel
-from cost_models.compute import compute_cost
+from cost_models.compute import Reference, compute_cost, update_cost
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
@@ -47,6 +48,7 @@ class Restrictions:
     batch_split_only: bool = False               # no layout splits anything but batch dims
     two_level: bool = True                       # allow two-level layouts
     allow_sfb: bool = True
+    force_sfb: bool = False                      # SFB wherever it applies, even if dearer
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     force: dict[str, Layout] = field(default_factory=dict)  # tensor -> layout it is made in
 
@@ -182,8 +184,7 @@ class Problem:
         if key not in self._compute:
             rule = self.rules[node.name][rule_index]
             sharded = is_shard(rule.output) or any(is_shard(l) for l in rule.inputs)
-            self._compute[key] = compute_cost(node, self.in_metas(node), sharded, self.kinds,
-                                              self.graph.reference_flops)
+            self._compute[key] = compute_cost(node, self.in_metas(node), sharded, self.kinds, self.reference)
         return self._compute[key]
 
     def compute_s(self, node: Node, rule_index: int) -> float:
@@ -203,12 +204,26 @@ class Problem:
             seconds += self.memory_weight * max(activation_memory(node, sharded, self.n).per_device(shares))
         return seconds
 
-    def storage_penalty(self, tensor: str, layout: Layout) -> float:
-        """Memory penalty of storing a parameter in `layout` (0 without a memory weight)."""
+    def update_linear(self, tensor: str, layout: Layout) -> LinearCost:
+        """The optimizer step of a parameter stored in `layout` (cost_models.compute)."""
+        node = self.graph.node(tensor)
+        return update_cost(node, is_shard(layout), self.kinds, self.graph.update_s, self.reference)
+
+    @cached_property
+    def reference(self) -> Reference | None:
+        """The machine that timed the graph's ops, if they were timed."""
+        g = self.graph
+        return Reference(g.reference_flops) if g.reference_flops else None
+
+    def storage_cost(self, tensor: str, layout: Layout) -> float:
+        """Seconds of storing a parameter in `layout`: its optimizer step, plus the memory
+        penalty (0 without a memory weight)."""
+        shares = self.shares(tensor, layout)
+        seconds = self.update_linear(tensor, layout).at(shares)
         if not self.memory_weight:
-            return 0.0
+            return seconds
         mem = param_memory(self.meta(tensor).nbytes, is_shard(layout), self.n)
-        return self.memory_weight * max(mem.per_device(self.shares(tensor, layout)))
+        return seconds + self.memory_weight * max(mem.per_device(shares))
 
     # -- collectives ----------------------------------------------------------------------
     def axis_shares(self, tensor: str, src: Layout, dst: Layout, axis: str) -> tuple[tuple[float, ...], float]:
@@ -234,6 +249,7 @@ class Problem:
             grad = self.requires_grad(tensor)
             allowed = self.restrictions.variants.get(kind, VARIANTS[kind])
             options = [(v, self.comm.with_adjoint(kind, v, nbytes, grad, axis).at(shares)) for v in allowed]
+            options = [o for o in options if math.isfinite(o[1])] or options  # drop inapplicable variants
             variant, cost = min(options, key=lambda o: o[1])
             memo[key] = Step(kind, variant, src, dst, cost, tuple(options) if len(options) > 1 else (), axis)
         return memo[key]

@@ -167,7 +167,7 @@ def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None
     allreduce = pb.comm.gradient_allreduce(meta.nbytes).at((1.0,) * pb.n)
     sfb = _sfb_cost(pb, param, consumer, rule) if rule is not None else None
     options = {"all_reduce": allreduce} | ({"sfb": sfb[0]} if sfb is not None else {})
-    if sfb is not None and sfb[0] < allreduce:
+    if sfb is not None and (sfb[0] < allreduce or pb.restrictions.force_sfb):
         return _emit(kind="sfb", tensor=param, layout=R, src="P", node=consumer.name,
                      phase="backward", variant=sfb[1], predicted_s=sfb[0], alternatives=options)
     return _emit(kind="all_reduce", tensor=param, layout=R, src="P", phase="backward",
@@ -200,7 +200,7 @@ def _store(pb: Problem, tensor: str, want: Layout, consumer: Node, rule: Rule) -
     options = []
     for layout in _storage_layouts(pb, node):
         first = _emit(kind=node.op, tensor=tensor, layout=layout)
-        cost, extra = (pb.storage_penalty(tensor, layout) if node.op == "param" else 0.0), ()
+        cost, extra = (pb.storage_cost(tensor, layout) if node.op == "param" else 0.0), ()
         if node.op == "param" and layout == R and node.out.requires_grad:
             sync = _grad_sync(pb, tensor, consumer, rule if want == R else None)
             cost, extra = cost + sync.predicted_s, (sync,)

@@ -1,10 +1,15 @@
 """Time several plans of one model on the same ranks, interleaved (`python -m runtime.compare`).
 
 Every rank builds a trainer for each plan, warms each up, then runs `rounds` rounds in which
-each plan trains `steps` steps in turn, so all plans see the same machine conditions. Rank 0
+each plan trains `steps` steps in turn, so all plans see the same machine conditions. Each
+round's batches are made before its steps are timed (as a prefetching data loader would), so
+step times are training alone. Rank 0
 records every step's wall time; the first rank of each node also reads its node's NIC
 transmit counter (bytes on the inter-node wire, on an emulated cluster) around each plan's
-steps. Rank 0 writes {plan name: {"step_seconds": [...], "median_s": ..., "wire_bytes": ...}}.
+steps. Rank 0 writes {plan name: {"step_seconds": [...], "median_s": ..., "losses": [global
+loss of every step, warm-up included, in step order], "phases_by_rank": [each rank's median
+seconds per phase: data, forward, backward, gradient_sync, update, loss], "wire_bytes_per_step":
+...}}.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from instruction_set.plan import load_plan
 from runtime.codegen import groups_mesh
 from runtime.emulation import IFACE, join_device
 from runtime.groups import Groups
-from runtime.train import TrainConfig, Trainer, setup, train_step
+from runtime.train import TrainConfig, Trainer, local_batch, setup, train_step
 
 
 def nic_tx_bytes() -> int | None:
@@ -45,8 +50,18 @@ def _wire(groups: Groups, before: int | None) -> int:
     return int(total.item())
 
 
-def _steps(trainer: Trainer, first: int, count: int) -> list[float]:
-    return [train_step(trainer, first + i).seconds for i in range(count)]
+def _steps(trainer: Trainer, first: int, count: int, phases: list | None = None) -> list[tuple[float, float]]:
+    """(seconds, global loss) of `count` steps from step `first`; each step's phase
+    seconds on this rank are appended to `phases`."""
+    batches = [local_batch(trainer, first + i) for i in range(count)]  # prefetched, not timed
+    logs = [train_step(trainer, first + i, inputs) for i, inputs in enumerate(batches)]
+    if phases is not None:
+        phases += [log.phases for log in logs]
+    return [(log.seconds, log.loss) for log in logs]
+
+
+def _median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0]} if steps else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,21 +84,29 @@ def main(argv: list[str] | None = None) -> int:
             trainers[name] = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD),
                                    TrainConfig(steps=0))
         times: dict[str, list[float]] = {n: [] for n in trainers}
+        losses: dict[str, list[float]] = {n: [] for n in trainers}
+        phases: dict[str, list[dict]] = {n: [] for n in trainers}
         wire: dict[str, int] = {n: 0 for n in trainers}
         step = {n: 0 for n in trainers}
         for name, trainer in trainers.items():
-            _steps(trainer, 0, args.warmup)
+            losses[name] += [loss for _, loss in _steps(trainer, 0, args.warmup)]
             step[name] = args.warmup
         for _ in range(args.rounds):
             for name, trainer in trainers.items():
                 before = nic_tx_bytes() if trainer.groups.mesh.local(rank) == 0 else None
-                times[name] += _steps(trainer, step[name], args.steps)
+                logs = _steps(trainer, step[name], args.steps, phases[name])
+                times[name] += [seconds for seconds, _ in logs]
+                losses[name] += [loss for _, loss in logs]
                 wire[name] += _wire(trainer.groups, before)
                 step[name] += args.steps
+        mine = {n: _median_phases(p) for n, p in phases.items()}
+        every = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
         if rank == 0:
             steps = args.rounds * args.steps
             with open(args.report, "w") as f:
-                json.dump({n: {"step_seconds": t, "median_s": statistics.median(t),
+                json.dump({n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
+                               "phases_by_rank": [e[n] for e in every],
                                "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}, f)
         dist.barrier()
         dist.destroy_process_group()

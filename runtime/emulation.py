@@ -14,7 +14,7 @@ From a cluster spec with an `emulation` section:
   up evenly), with one torch thread.
 
 `Emulation.start()` builds it, `stop()` removes everything (processes in its cgroups are
-killed first); use it as a context manager so that happens on errors and Ctrl-C too.
+killed first); use it as a context manager so that happens on errors, Ctrl-C and SIGTERM too.
 `cleanup_stale()` removes what runs that died left behind. Without root, `unavailable()`
 says why, and callers run plain local processes instead (correctness only).
 """
@@ -176,15 +176,39 @@ class Emulation:
         self.created_ns.clear()
 
     def __enter__(self) -> "Emulation":
-        return self.start()
+        self._handlers = _exit_on_signals()
+        try:
+            return self.start()
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            for sig, handler in getattr(self, "_handlers", {}).items():
+                signal.signal(sig, handler)
 
     def in_node(self, node: int, cmd: list[str]) -> list[str]:
         """Run `cmd` in a node's network namespace. nsenter switches only the network
         namespace (`ip netns exec` also remounts /sys, hiding the cgroup hierarchy)."""
         return ["nsenter", f"--net=/var/run/netns/{self.namespaces[node]}", *cmd]
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_signals() -> dict[int, object]:
+    """SIGTERM and SIGHUP raise SystemExit while an emulation is up (as Ctrl-C raises
+    KeyboardInterrupt), so `finally` removes it; returns the previous handlers (none off
+    the main thread, where handlers cannot be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def _kill_members(group: Path) -> None:

@@ -1,7 +1,8 @@
 """One rank of `hetsynth profile`, started by torchrun (`python -m runtime.profile_worker`).
 
-Every rank measures its compute, then all ranks time the collectives on all ranks and on each
-node's ranks (runtime.profiler); rank 0 fits alpha-beta and writes the measured spec.
+Every rank measures its compute, then all ranks time the collectives on all ranks, on each
+node's ranks and on the cross-node groups of one rank per node, all groups at once
+(runtime.profiler); rank 0 fits alpha-beta and writes the measured spec.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from instruction_set.mesh import Mesh
 from runtime.emulation import join_device
 from runtime.groups import Groups
 from runtime.profiler import measure_collectives, measure_compute, measured_spec
+
+
+GRADIENT_SIZES = (4 * 2**20, 16 * 2**20)
+OUTER_SKEWS = [None]  # outer groups of two nodes; their shares follow node sums
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         compute = measure_compute(device, args.seconds)
         sizes = [s for s in (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20) if s <= args.max_bytes]
         records = {("inter" if len(cluster.nodes) > 1 else "intra"): measure_collectives(groups, "all", sizes, device, args.reps)}
+        # gradient buckets are large: the all-reduce also at bucket sizes (up to 16 MiB)
+        big = [s for s in GRADIENT_SIZES if s > max(sizes)]
+        if big:
+            key = next(iter(records))
+            records[key] += measure_collectives(groups, "all", big, device, 1, [None], cases=["all_reduce.ring"])
         if mesh.two_level:
             records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
+            records["outer"] = measure_collectives(groups, "outer", sizes, device, args.reps, OUTER_SKEWS)
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(compute, gathered, dst=0)
         if rank == 0:

@@ -18,6 +18,7 @@ calibration; it loads like any other spec.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -28,8 +29,8 @@ import torch.distributed as dist
 
 from cost_models.calibration import AlphaBeta, Calibration
 from cost_models.cluster import ClusterSpec
-from cost_models.comm import CommModel
-from cost_models.measure import matmul_throughput, sustained_seconds
+from cost_models.comm import collective_form
+from cost_models.measure import matmul_throughput, memory_bandwidth, sustained_seconds
 from instruction_set.shards import largest_remainder
 from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
 from runtime.collectives.allreduce import reduce_ring
@@ -38,24 +39,30 @@ from runtime.groups import Groups
 SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest
 
 
-def _time_collective(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    """Median seconds of a collective over a fixed number of repetitions (every rank runs
-    the same number of calls), after one warm-up."""
+def _time_collective(fn: Callable[[], object], reps: int, sync: Callable[[], None], calls: int = 1) -> float:
+    """Median seconds of a collective over a fixed number of repetitions of `calls` calls
+    each (every rank runs the same number of calls), after one warm-up. Several calls per
+    repetition average out the CPU-quota throttling (a 10 ms period) of short messages."""
     fn()
     sync()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
+
+
+def calls_per_rep(nbytes: int) -> int:
+    """Calls per timed repetition: about 1 MiB of traffic, at most 16 calls."""
+    return max(1, min(16, 2**20 // max(nbytes, 1)))
 
 
 def measure_compute(device: torch.device, seconds: float) -> dict[str, float]:
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
-    big = torch.randn(8 * 2**20, device=device)  # a fresh output per call, as in training
-    bandwidth = 3 * big.numel() * 4 / sustained_seconds(lambda: big + big, seconds, sync)
+    bandwidth = memory_bandwidth(device, seconds)
     tiny = torch.ones(1, device=device)
     launch = sustained_seconds(lambda: tiny + tiny, seconds / 4, sync)
     return {"throughput_flops": matmul_throughput(device, seconds), "memory_bandwidth_gbyte_s": bandwidth / 1e9,
@@ -105,20 +112,23 @@ def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device:
             for skew in skews:
                 cols = 64
                 rows = max(g, nbytes // (4 * cols))
+                if case.startswith("all_to_all"):  # a square [rows, rows] tensor, S0 -> S1
+                    rows = cols = max(g, math.isqrt(nbytes // 4))
                 shares = _shares(g, skew)
                 lengths = tuple(largest_remainder(shares, rows))
                 span = Span(groups.group(axis), tuple(groups.members(axis)), groups.index(axis), 0, lengths)
                 x, s, d = _input(case, span, rows, cols, device)
                 dist.barrier()
-                t = _time_collective(lambda: fn(x, s, d), reps, sync)
+                n = reps if nbytes <= 4 * 2**20 else 1  # seconds per call beyond 4 MiB
+                t = _time_collective(lambda: fn(x, s, d), n, sync, calls_per_rep(nbytes))
                 out.append({"case": case, "bytes": rows * cols * 4, "shares": [n / rows for n in lengths],
                             "group": g, "seconds": t})
     return out
 
 
-def fit(records: Sequence[dict], cluster: ClusterSpec, link_class: str) -> dict[str, AlphaBeta]:
+def fit(records: Sequence[dict], link_class: str) -> dict[str, AlphaBeta]:
     """Least-squares alpha and beta per case from the cost model's formulas."""
-    model = CommModel(cluster)
+    uniform = link_class in ("intra", "outer")
     fits = {}
     for case in CASES:
         rows = [r for r in records if r["case"] == case]
@@ -127,8 +137,8 @@ def fit(records: Sequence[dict], cluster: ClusterSpec, link_class: str) -> dict[
         kind, variant = case.split(".")
         design, target = [], []
         for r in rows:
-            unit_alpha = _coefficients(model, kind, variant, r, alpha=1.0, beta_inv=0.0)
-            unit_bytes = _coefficients(model, kind, variant, r, alpha=0.0, beta_inv=1.0)
+            unit_alpha = _coefficients(kind, variant, r, 1.0, 0.0, uniform)
+            unit_bytes = _coefficients(kind, variant, r, 0.0, 1.0, uniform)
             design.append([unit_alpha / r["seconds"], unit_bytes / r["seconds"]])
             target.append(1.0)
         alpha, beta_inv = nonnegative_fit(np.array(design), np.array(target))
@@ -157,24 +167,16 @@ def nonnegative_fit(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return best[1]
 
 
-def _coefficients(model: CommModel, kind: str, variant: str, r: dict, alpha: float, beta_inv: float) -> float:
-    """The formula's value for one record with the given alpha (s) and 1/beta (s/byte)."""
-    g, shares, d = r["group"], r["shares"], r["bytes"] * beta_inv
-    if kind in ("all_gather", "reduce_scatter"):
-        if variant == "padded":
-            return (g - 1) * (alpha + max(shares) * d)
-        if variant == "ring":
-            return (g - 1) * alpha + (1 - min(shares)) * d
-        return g * alpha + d
-    if kind == "all_reduce":
-        return 2 * (g - 1) * alpha + 2 * (g - 1) / g * d
-    return (g - 1) * alpha + max(shares) * d
+def _coefficients(kind: str, variant: str, r: dict, alpha: float, beta_inv: float, uniform: bool) -> float:
+    """The cost model's value for one record with the given alpha (s) and 1/beta (s/byte)."""
+    a, b = collective_form(kind, variant, r["group"], alpha, r["bytes"] * beta_inv, uniform=uniform)
+    return max(a + b * s for s in r["shares"])
 
 
 def calibration(records: dict[str, list[dict]], cluster: ClusterSpec) -> Calibration:
     collectives: dict[str, dict[str, AlphaBeta]] = {}
     for link_class, rows in records.items():
-        for case, ab in fit(rows, cluster, link_class).items():
+        for case, ab in fit(rows, link_class).items():
             collectives.setdefault(case, {})[link_class] = ab
     return Calibration(collectives=collectives, source="hetsynth profile")
 

@@ -47,6 +47,7 @@ class TrainConfig:
 class StepLog:
     loss: float
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # this rank's seconds per phase
 
 
 @dataclass
@@ -189,19 +190,28 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
 
 # -- steps ----------------------------------------------------------------------------------------
 
-def train_step(trainer: Trainer, step: int) -> StepLog:
-    start = time.perf_counter()
-    inputs = local_batch(trainer, step)
+def train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None = None) -> StepLog:
+    """One training step on this rank's rows of global batch `step` (`inputs`: those rows,
+    made in advance, as a prefetching data loader would)."""
+    marks = [("start", time.perf_counter())]
+    inputs = local_batch(trainer, step) if inputs is None else inputs
+    marks.append(("data", time.perf_counter()))
     loss = trainer.program.module(*inputs)
+    marks.append(("forward", time.perf_counter()))
     loss.backward()
+    marks.append(("backward", time.perf_counter()))
     sync_gradients(trainer)
+    marks.append(("gradient_sync", time.perf_counter()))
     if trainer.config.max_grad_norm is not None:
         clip_global_norm(trainer, trainer.config.max_grad_norm)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
+    marks.append(("update", time.perf_counter()))
     total = loss.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
-    entry = StepLog(float(total), time.perf_counter() - start)
+    marks.append(("loss", time.perf_counter()))
+    phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
+    entry = StepLog(float(total), marks[-1][1] - marks[0][1], phases)
     trainer.log.append(entry)
     return entry
 

@@ -99,3 +99,62 @@ def test_missing_quota_is_an_error_and_cleans_up() -> None:
     with pytest.raises(Exception, match="cpu-slow"):
         Emulation(cluster_from_dict(raw)).start()
     assert leftovers() == {"namespaces": [], "cgroups": []}
+
+
+@needs_root
+def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> None:
+    """hetsynth's plan and DP-EV of GPT tiny train interleaved on the emulated cluster
+    (runtime.compare, as `make demo` does); both match single-device losses and no
+    namespace or cgroup survives the run."""
+    import json
+
+    from hetsynth import capture_model
+    from hetsynth.models import parse_model_ref
+    from instruction_set.plan import save_plan
+    from planner import baselines
+    from planner.planner import make_plan
+    from runtime.launch import launch
+    from runtime.train import TrainConfig, reference_training
+
+    ref = "gpt:tiny,dtype=float64"
+    graph = capture_model(ref)
+    plans = {"het": make_plan(graph, SPEC, progress=False, with_baselines=False),
+             "ev": make_plan(graph, SPEC, ratios=baselines.even(SPEC), restrictions=baselines.DP,
+                             progress=False, with_baselines=False)}
+    for name, plan in plans.items():
+        save_plan(plan, tmp_path / f"{name}.json")
+    report = tmp_path / "report.json"
+    rc, failure = launch(SPEC, ["-m", "runtime.compare", "--plans", *(str(tmp_path / f"{n}.json") for n in plans),
+                                "--names", *plans, "--warmup", "1", "--rounds", "1", "--steps", "2",
+                                "--report", str(report)])
+    assert rc == 0, failure
+    assert leftovers() == {"namespaces": [], "cgroups": []}
+    measured = json.loads(report.read_text())
+    spec = parse_model_ref(ref)
+    expected, _ = reference_training(spec, spec.batch_size, TrainConfig(steps=3))
+    for name in plans:
+        assert len(measured[name]["losses"]) == 3
+        for got, want in zip(measured[name]["losses"], expected):
+            assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)
+
+
+HOLD = """
+import time
+from cost_models.cluster import load_cluster
+from runtime.emulation import Emulation
+with Emulation(load_cluster("configs/clusters/local-emulated.toml")):
+    print("up", flush=True)
+    time.sleep(60)
+"""
+
+
+@needs_root
+def test_sigterm_removes_the_emulation() -> None:
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline().strip() == "up"
+    assert leftovers()["namespaces"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert leftovers() == {"namespaces": [], "cgroups": []}

@@ -179,3 +179,19 @@ def test_hierarchical_all_reduce(pools) -> None:
                 param_layouts=("S*",))
     assert any(i.kind == "all_reduce" and i.variant == "hierarchical" for i in plan.instructions)
     check(pools, plan)
+
+
+@pytest.mark.parametrize("model,ratios,variant", [("vgg", [0.55, 0.45], "padded"),
+                                                  ("vgg", [0.5, 0.3, 0.2, 0.0], "grouped"),
+                                                  ("gpt", [0.4, 0.3, 0.2, 0.1], "ring")])
+def test_sufficient_factor_broadcasting(pools, model: str, ratios: list[float], variant: str) -> None:
+    """Data parallelism with every applicable weight synchronised by SFB (factors gathered
+    with one variant, a zero-length shard among them), biases all-reduced as usual."""
+    ref = f"{model}:tiny,dtype=float64"
+    force = {n: "S0" for n in nodes(capture_model(ref), "aten.linear.default", "blocks")}
+    plan = make(ref, ratios, Restrictions(param_layouts=("R",), input_layout="S0", batch_split_only=True,
+                                          two_level=False, force_sfb=True, force=force,
+                                          variants={"all_gather": (variant,)}))
+    sfb = [i for i in plan.instructions if i.kind == "sfb"]
+    assert sfb and all(i.variant == variant for i in sfb), [i.describe() for i in plan.instructions]
+    check(pools, plan)

@@ -4,9 +4,11 @@ fixed ratios, memory infeasibility, JSON round trip and version checks."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 import hetsynth
 from cost_models.cluster import cluster_from_dict, load_cluster
@@ -102,3 +104,63 @@ def test_bounded_search_matches_exhaustive_on_a_small_model() -> None:
     wide = synthesize(Problem(graph, cluster, ratios), width=10_000, progress=False)
     assert bounded.cost_s == pytest.approx(wide.cost_s, rel=1e-9)
     assert wide.exact
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, features: int, out: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(features, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).square().mean()
+
+
+DP_SPACE = dict(param_layouts=("R",), input_layout="S0", batch_split_only=True, two_level=False)
+
+
+@pytest.mark.parametrize("tokens,expect_sfb", [(8, True), (8192, False)])
+def test_sfb_chosen_by_cost_where_it_pays(tokens: int, expect_sfb: bool) -> None:
+    """A 2048 x 2048 weight on the HAP cluster: SFB (gather 8 tokens' factors) beats the
+    all-reduce of 16 MiB; at 8192 tokens (> 2 * in * out / (in + out) = 2048) it does not.
+    The sync instruction records both predicted alternatives."""
+    from planner.planner import make_plan
+    from planner.problem import Restrictions
+
+    cluster = load_cluster(CLUSTERS / "hap-paper.toml").first(8)
+    with torch.device("meta"):
+        model = _Linear(2048, 2048)
+    graph = hetsynth.capture_model(model, (torch.zeros(tokens, 2048, device="meta"),))
+    plan = make_plan(graph, cluster, progress=False, with_baselines=False, restrictions=Restrictions(**DP_SPACE))
+    sync = next(i for i in plan.instructions if i.tensor == "p_fc_weight" and i.phase == "backward")
+    assert set(sync.alternatives) == {"all_reduce", "sfb"}
+    assert (sync.kind == "sfb") == expect_sfb, sync.alternatives
+    assert sync.predicted_s == pytest.approx(min(sync.alternatives.values()))
+
+
+def test_without_sfb_is_the_same_plan_with_all_reduce() -> None:
+    from planner.planner import make_plan, without_sfb
+    from planner.problem import Restrictions
+
+    cluster = load_cluster(CLUSTERS / "local-emulated.toml")
+    graph = hetsynth.capture_model("vgg:tiny")
+    force = {n.name: "S0" for n in graph.calls if n.target == "aten.linear.default"}
+    plan = make_plan(graph, cluster, progress=False, with_baselines=False,
+                     restrictions=Restrictions(**DP_SPACE, force_sfb=True, force=force))
+    sfb = {i.tensor for i in plan.instructions if i.kind == "sfb"}
+    assert sfb == {"p_fc1_weight", "p_fc2_weight", "p_fc3_weight"}
+    other = without_sfb(plan)
+    assert not any(i.kind == "sfb" for i in other.instructions)
+    assert {i.tensor for i in other.instructions if i.kind == "all_reduce" and i.phase == "backward"} >= sfb
+    assert other.sharding_ratios == plan.sharding_ratios and other.shards == plan.shards
+    assert other.predicted.step_time_s != pytest.approx(plan.predicted.step_time_s)
+
+
+def test_inapplicable_variants_stay_out_of_plans() -> None:
+    """The hierarchical all-reduce does not apply along the cross-node axis: it is not among
+    the alternatives a plan records (they must all be finite numbers to round-trip JSON)."""
+    graph = hetsynth.capture_model("gpt:tiny")
+    cluster = load_cluster(CLUSTERS / "local-emulated.toml")
+    pb = Problem(graph, cluster, baselines.even(cluster))
+    linear = next(n.name for n in graph.calls if n.target == "aten.linear.default")
+    step = pb.collective(linear, "all_reduce", "P|S2", "R|S2", "outer")
+    assert step.variant == "ring" and all(math.isfinite(c) for _, c in step.alternatives)

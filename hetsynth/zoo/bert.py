@@ -41,7 +41,7 @@ PRESETS: dict[str, dict] = {
     "large": dict(vocab_size=30522, seq_len=512, num_layers=24, hidden=1024, num_heads=16,
                   ffn_hidden=4096, batch_size=32),
     "small-cpu": dict(vocab_size=512, seq_len=64, num_layers=2, hidden=128, num_heads=4,
-                      ffn_hidden=512, batch_size=128),
+                      ffn_hidden=512, batch_size=192),
 }
 
 

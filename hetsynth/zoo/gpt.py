@@ -41,7 +41,7 @@ PRESETS: dict[str, dict] = {
                ffn_hidden=6400, batch_size=8),
     # Sized for the emulated CPU cluster: about 0.5-3 s per step on 4 throttled workers.
     "small-cpu": dict(vocab_size=512, seq_len=64, num_layers=2, hidden=128, num_heads=4,
-                      ffn_hidden=512, batch_size=128),
+                      ffn_hidden=512, batch_size=192),
 }
 
 

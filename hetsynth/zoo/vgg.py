@@ -41,7 +41,7 @@ PRESETS: dict[str, dict] = {
     "tiny": {},
     # The HAP paper setting: VGG19 with a 25088 x 4096 classifier, batch 32 per device (8 devices).
     "paper": dict(base_channels=64, hidden=4096, num_classes=1000, batch_size=256),
-    "small-cpu": dict(base_channels=8, hidden=1024, num_classes=10, batch_size=256),
+    "small-cpu": dict(base_channels=8, hidden=1024, num_classes=10, batch_size=384),
 }
 
 

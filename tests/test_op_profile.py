@@ -1,0 +1,36 @@
+"""Measured op costs (planner.op_profile): every op with work gets a time, the times add up to
+the whole model's, and the planner sees the measured graph (not a stale copy of it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models.compute import FREE_OPS
+from hetsynth import capture_model
+from hetsynth.models import parse_model_ref
+from instruction_set.graph import Node
+from planner.op_profile import calibrate_to_model, measure_ops
+
+
+@pytest.fixture(scope="module")
+def measured():
+    spec = parse_model_ref("gpt:tiny")
+    graph = capture_model("gpt:tiny")
+    return graph, measure_ops(graph, spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1),
+                              seconds=0.005)
+
+
+def test_every_op_with_work_is_timed_and_looked_up(measured) -> None:
+    graph, timed = measured
+    work = [n for n in timed.calls if n.target not in FREE_OPS]
+    assert work and all(n.measured_s and n.measured_s > 0 for n in work)
+    assert all(timed.node(n.name).measured_s == n.measured_s for n in work)   # no stale lookups
+    assert graph.node(work[0].name).measured_s is None                        # the original is unchanged
+    assert timed.reference_flops > 1e8 and timed.update_s[0] > 0 and timed.update_s[1] >= 0
+    assert timed.fingerprint == graph.fingerprint
+
+
+def test_calibration_preserves_ratios_and_matches_the_whole() -> None:
+    nodes = [Node.model_construct(name=f"n{i}", measured_s=s) for i, s in enumerate([1.0, 3.0, None])]
+    out = calibrate_to_model(nodes, 8.0)
+    assert [n.measured_s for n in out] == [2.0, 6.0, None]
