@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["gpt", "bert", "vgg"])
     parser.add_argument("--reprofile", action="store_true")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     measured_spec = profile(args.reprofile)

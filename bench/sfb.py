@@ -21,11 +21,12 @@ bench/results/sfb.json.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, markdown_table, print_table, write_json
+from common import RESULTS, ROOT, markdown_table, print_table, write_json
 from measured_speedup import measure, profile
 
 sys.path.insert(0, str(ROOT))
@@ -112,17 +113,22 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reprofile", action="store_true")
+    parser.add_argument("--merge", action="store_true", help="keep other cases of bench/results/sfb.json")
     args = parser.parse_args()
     measured_spec = profile(args.reprofile)
-    results, rows = {}, []
+    previous = RESULTS / "sfb.json"
+    results = json.loads(previous.read_text())["cases"] if args.merge and previous.exists() else {}
+    rows = []
     for name in args.cases:
         results[name] = run_case(name, measured_spec, args.rounds)
         rows.append(row(name, results[name]))
         print(rows[-1], flush=True)
+        write_json("sfb.json", {"cases": results})  # kept if a later case fails
     header = ["case", "linears", "DP picks SFB", "hetsynth picks SFB", "wire MiB/step SFB",
               "wire MiB/step all-reduce", "step s SFB (pred.)", "step s all-reduce (pred.)", "SFB speed-up",
               "hetsynth plan s (pred.)"]
     gpt = gpt_choices(measured_spec)
+    rows = [row(name, results[name]) for name in CASES if name in results]
     print()
     print_table(rows, header)
     print("\n" + markdown_table(rows, header))

@@ -6,7 +6,7 @@ inputs); the training data are then seeded random rows.
   hidden -> classes, ReLU between) with cross-entropy, fed the flattened pooled features;
   `features` defaults to the small-cpu VGG's 64 * 7 * 7 = 3136 (the paper's is 25088).
 - `gpt_mlp`: one GPT block's MLP (LayerNorm, fc1 hidden -> 4 hidden, GELU, fc2 back) on
-  [batch, seq, hidden] tokens, with a squared-error loss against a target.
+  [batch * seq, hidden] tokens, with a squared-error loss against a target.
 """
 
 from __future__ import annotations
@@ -48,6 +48,6 @@ def vgg_classifier(batch_size: str = "32", features: str = "3136", hidden: str =
 
 def gpt_mlp(batch_size: str = "1", seq_len: str = "64", hidden: str = "128",
             ffn_hidden: str = "512") -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    shape = (int(batch_size), int(seq_len), int(hidden))
+    shape = (int(batch_size) * int(seq_len), int(hidden))  # tokens flattened: split over tokens
     x, target = torch.zeros(shape, device="meta"), torch.zeros(shape, device="meta")
     return MLP(int(hidden), int(ffn_hidden)), (x, target)

@@ -5,8 +5,8 @@ shares it is evaluated at (the rounded shard lengths at the problem's ratios), h
 shares depend on the ratios for the LP (`lp_kind`), whether it is compute or communication,
 and its memory. The same terms give
 
-- the prediction of a plan: step time = sum over instructions of the max over devices;
-  per-device compute, communication and memory;
+- the prediction of a plan: step time = sum over instructions of the max over devices, plus
+  the step's scalar all-reduces (step_term); per-device compute, communication and memory;
 - the sharding-ratio LP (planner.ratios), which replaces the shares by functions of the
   ratio variables r: "flat" s_i = r_i, "node" s_i = sum of r over device i's node, "fixed"
   (shares inside one node only: kept at their current value), "none" (no split).
@@ -102,10 +102,20 @@ def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -
     return _collective_term(pb, ins)
 
 
+STEP_SCALARS = 2  # all-reduces of one scalar per step: the global gradient norm, the loss
+
+
+def step_term(pb: Problem) -> Term:
+    """What every step adds to any program: the runtime's scalar all-reduces over all
+    devices (runtime.train: global-norm clipping and the reported loss), latency-bound."""
+    one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.n,) * pb.n)
+    return Term(LinearCost.constant(STEP_SCALARS * one, pb.n), (1.0,) * pb.n, "none", False)
+
+
 def program_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
     x_layouts = {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
     terms = [instruction_term(pb, ins, x_layouts) for ins in program]
-    return [t for t in terms if t is not None]
+    return [t for t in terms if t is not None] + [step_term(pb)]
 
 
 def step_time(terms: Sequence[Term]) -> float:

@@ -94,6 +94,12 @@ class Problem:
         base = {n.name: rules_for(n, self.in_metas(n)) for n in self.order}
         self.classes = DimClasses(self._sizes(), [l for n in self.order for l in rule_links(n, base[n.name])])
         self.rules = {n.name: self._rules(n, base[n.name]) for n in self.order}
+        empty = [n.name for n in self.order if not self.rules[n.name]]
+        if empty:
+            forced = {t: self.restrictions.force[t] for t in empty if t in self.restrictions.force}
+            raise ValueError(f"no sharding rule of op(s) {empty[:5]} is allowed by the restrictions"
+                             + (f" (forced layouts {forced})" if forced else "")
+                             + "; force another layout or relax the restrictions")
         self._conv: dict[tuple[str, Layout, Layout], tuple[Step, ...] | None] = {}
         self._compute: dict[tuple[str, int], LinearCost] = {}
         self._shares: dict[tuple[str, Layout], tuple[float, ...]] = {}

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--seconds", type=float, default=1.0, help="time per compute measurement")
     p.add_argument("--reps", type=int, default=3, help="repetitions per collective measurement")
-    p.add_argument("--max-bytes", type=int, default=2**20)
+    p.add_argument("--max-bytes", type=int, default=4 * 2**20)
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
