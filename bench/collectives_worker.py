@@ -4,9 +4,7 @@ ranks for the given sizes and skews; rank 0 writes the records as JSON."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,8 +14,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from instruction_set.mesh import Mesh  # noqa: E402
-from runtime.emulation import join_device  # noqa: E402
 from runtime.groups import Groups  # noqa: E402
+from runtime.rank import run_rank  # noqa: E402
 from runtime.profiler import measure_collectives  # noqa: E402
 
 
@@ -28,17 +26,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    join_device()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    sys.exit(run_rank(lambda rank, device: measure(rank, args), timeout_s=900, device=torch.device("cpu")))
+
+
+def measure(rank: int, args: argparse.Namespace) -> None:
     world = dist.get_world_size()
-    groups = Groups.create(Mesh(1, world, False), int(os.environ["RANK"]), world=dist.group.WORLD)
+    groups = Groups.create(Mesh(1, world, False), rank, world=dist.group.WORLD)
     skews = [None if s == 0 else (s, 1 - s) for s in args.skews]
     records = measure_collectives(groups, "all", args.sizes, torch.device("cpu"), args.reps, skews)
-    if dist.get_rank() == 0:
+    if rank == 0:
         Path(args.out).write_text(json.dumps(records))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,13 @@ def markdown_table(rows: list[list[Any]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def print_tables(rows: list[list[Any]], header: list[str]) -> None:
+    """The table as aligned text, then as Markdown (for the README)."""
+    print()
+    print_table(rows, header)
+    print("\n" + markdown_table(rows, header))
+
+
 def write_json(name: str, data: Any) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, ROOT, markdown_table, print_table, write_json
+from common import RESULTS, ROOT, print_tables, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -109,9 +109,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     header = ["model (small-cpu)", "hetsynth s", "DP-EV s", "DP-CP s", "vs DP-EV", "vs DP-CP",
               "predicted s", "prediction error"]
-    print()
-    print_table(rows, header)
-    print("\n" + markdown_table(rows, header))
+    print_tables(rows, header)
     write_json("measured_speedup.json", {"models": results, "cluster": str(CLUSTER.relative_to(ROOT)),
                                          "measured_spec": str(MEASURED.relative_to(ROOT))})
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import markdown_table, print_table, run_child, write_json
+from common import print_tables, run_child, write_json
 
 CHILD = """
 import json
@@ -60,9 +60,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     header = ["model", "cluster", "hetsynth ms", "DP-EV ms", "DP-CP ms", "Megatron ms",
               "vs best baseline", "synthesis s"]
-    print()
-    print_table(rows, header)
-    print("\n" + markdown_table(rows, header))
+    print_tables(rows, header)
     write_json("plan_quality.json", results)
 
 

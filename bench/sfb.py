@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, ROOT, markdown_table, print_table, write_json
+from common import RESULTS, ROOT, print_tables, write_json
 from measured_speedup import measure, profile
 
 sys.path.insert(0, str(ROOT))
@@ -129,9 +129,7 @@ def main() -> None:
               "hetsynth plan s (pred.)"]
     gpt = gpt_choices(measured_spec)
     rows = [row(name, results[name]) for name in CASES if name in results]
-    print()
-    print_table(rows, header)
-    print("\n" + markdown_table(rows, header))
+    print_tables(rows, header)
     for key, weights in gpt.items():
         print(f"planner's SFB weights for {key}: {weights or 'none'}")
     write_json("sfb.json", {"cases": results, "gpt_plans_sfb_weights": gpt})

@@ -15,9 +15,7 @@ seconds per phase: data, forward, backward, gradient_sync, update, loss], "wire_
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,8 +25,9 @@ import torch.distributed as dist
 
 from instruction_set.plan import load_plan
 from runtime.codegen import groups_mesh
-from runtime.emulation import IFACE, join_device
+from runtime.emulation import IFACE
 from runtime.groups import Groups
+from runtime.rank import run_rank
 from runtime.train import TrainConfig, Trainer, local_batch, setup, train_step
 
 
@@ -73,47 +72,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="steps per plan per round")
     p.add_argument("--report", required=True)
     args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        join_device()
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-        trainers = {}
-        for name, path in zip(args.names, args.plans):
-            plan = load_plan(path)
-            trainers[name] = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD),
-                                   TrainConfig(steps=0))
-        times: dict[str, list[float]] = {n: [] for n in trainers}
-        losses: dict[str, list[float]] = {n: [] for n in trainers}
-        phases: dict[str, list[dict]] = {n: [] for n in trainers}
-        wire: dict[str, int] = {n: 0 for n in trainers}
-        step = {n: 0 for n in trainers}
+    return run_rank(lambda rank, device: compare(rank, args), timeout_s=300, device=torch.device("cpu"))
+
+
+def compare(rank: int, args: argparse.Namespace) -> None:
+    """Train every plan on this rank, interleaved; rank 0 writes the report."""
+    trainers = {}
+    for name, path in zip(args.names, args.plans):
+        plan = load_plan(path)
+        trainers[name] = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD),
+                               TrainConfig(steps=0))
+    times: dict[str, list[float]] = {n: [] for n in trainers}
+    losses: dict[str, list[float]] = {n: [] for n in trainers}
+    phases: dict[str, list[dict]] = {n: [] for n in trainers}
+    wire: dict[str, int] = {n: 0 for n in trainers}
+    step = {n: 0 for n in trainers}
+    for name, trainer in trainers.items():
+        losses[name] += [loss for _, loss in _steps(trainer, 0, args.warmup)]
+        step[name] = args.warmup
+    for _ in range(args.rounds):
         for name, trainer in trainers.items():
-            losses[name] += [loss for _, loss in _steps(trainer, 0, args.warmup)]
-            step[name] = args.warmup
-        for _ in range(args.rounds):
-            for name, trainer in trainers.items():
-                before = nic_tx_bytes() if trainer.groups.mesh.local(rank) == 0 else None
-                logs = _steps(trainer, step[name], args.steps, phases[name])
-                times[name] += [seconds for seconds, _ in logs]
-                losses[name] += [loss for _, loss in logs]
-                wire[name] += _wire(trainer.groups, before)
-                step[name] += args.steps
-        mine = {n: _median_phases(p) for n, p in phases.items()}
-        every = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(mine, every, dst=0)
-        if rank == 0:
-            steps = args.rounds * args.steps
-            with open(args.report, "w") as f:
-                json.dump({n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
-                               "phases_by_rank": [e[n] for e in every],
-                               "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
-    except Exception as err:  # name the failed rank, exit non-zero
-        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return 1
+            before = nic_tx_bytes() if trainer.groups.mesh.local(rank) == 0 else None
+            logs = _steps(trainer, step[name], args.steps, phases[name])
+            times[name] += [seconds for seconds, _ in logs]
+            losses[name] += [loss for _, loss in logs]
+            wire[name] += _wire(trainer.groups, before)
+            step[name] += args.steps
+    mine = {n: _median_phases(p) for n, p in phases.items()}
+    every = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if rank == 0:
+        steps = args.rounds * args.steps
+        with open(args.report, "w") as f:
+            json.dump({n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
+                           "phases_by_rank": [e[n] for e in every],
+                           "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}, f)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ node's ranks and on the cross-node groups of one rank per node, all groups at on
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
@@ -17,8 +15,8 @@ import torch.distributed as dist
 
 from cost_models.cluster import dump_cluster_toml, load_cluster
 from instruction_set.mesh import Mesh
-from runtime.emulation import join_device
 from runtime.groups import Groups
+from runtime.rank import run_rank
 from runtime.profiler import measure_collectives, measure_compute, measured_spec
 
 
@@ -34,41 +32,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="repetitions per collective measurement")
     p.add_argument("--max-bytes", type=int, default=4 * 2**20)
     args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        join_device()
-        torch.set_num_threads(1)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
-        cluster = load_cluster(args.cluster)
-        mesh = Mesh.of([len(n.devices) for n in cluster.nodes])
-        groups = Groups.create(mesh, rank, world=dist.group.WORLD)
-        compute = measure_compute(device, args.seconds)
-        sizes = [s for s in (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20) if s <= args.max_bytes]
-        records = {("inter" if len(cluster.nodes) > 1 else "intra"): measure_collectives(groups, "all", sizes, device, args.reps)}
-        # gradient buckets are large: the all-reduce also at bucket sizes (up to 16 MiB)
-        big = [s for s in GRADIENT_SIZES if s > max(sizes)]
-        if big:
-            key = next(iter(records))
-            records[key] += measure_collectives(groups, "all", big, device, 1, [None], cases=["all_reduce.ring"])
-        if mesh.two_level:
-            records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
-            records["outer"] = measure_collectives(groups, "outer", sizes, device, args.reps, OUTER_SKEWS)
-        gathered = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(compute, gathered, dst=0)
-        if rank == 0:
-            spec = measured_spec(cluster, gathered, records)
-            with open(args.output, "w") as f:
-                f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
-            for d, c in zip(cluster.devices, gathered):
-                print(f"{d.name:12s} {d.kind:10s} {c['throughput_flops'] / 1e9:8.2f} GFLOP/s  "
-                      f"{c['memory_bandwidth_gbyte_s']:6.2f} GB/s  launch {c['kernel_launch_us']:6.1f} us", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
-    except Exception as err:  # name the failed rank, exit non-zero
-        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return 1
+    return run_rank(lambda rank, device: profile(rank, device, args), timeout_s=600)
+
+
+def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
+    """Measure this rank's compute and, with all ranks, the collectives; rank 0 writes the spec."""
+    cluster = load_cluster(args.cluster)
+    mesh = Mesh.of([len(n.devices) for n in cluster.nodes])
+    groups = Groups.create(mesh, rank, world=dist.group.WORLD)
+    compute = measure_compute(device, args.seconds)
+    sizes = [s for s in (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20) if s <= args.max_bytes]
+    records = {("inter" if len(cluster.nodes) > 1 else "intra"): measure_collectives(groups, "all", sizes, device, args.reps)}
+    # gradient buckets are large: the all-reduce also at bucket sizes (up to 16 MiB)
+    big = [s for s in GRADIENT_SIZES if s > max(sizes)]
+    if big:
+        key = next(iter(records))
+        records[key] += measure_collectives(groups, "all", big, device, 1, [None], cases=["all_reduce.ring"])
+    if mesh.two_level:
+        records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
+        records["outer"] = measure_collectives(groups, "outer", sizes, device, args.reps, OUTER_SKEWS)
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(compute, gathered, dst=0)
+    if rank == 0:
+        spec = measured_spec(cluster, gathered, records)
+        with open(args.output, "w") as f:
+            f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
+        for d, c in zip(cluster.devices, gathered):
+            print(f"{d.name:12s} {d.kind:10s} {c['throughput_flops'] / 1e9:8.2f} GFLOP/s  "
+                  f"{c['memory_bandwidth_gbyte_s']:6.2f} GB/s  launch {c['kernel_launch_us']:6.1f} us", flush=True)
 
 
 if __name__ == "__main__":

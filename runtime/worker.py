@@ -12,13 +12,11 @@ at the start of that step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
 import statistics
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,8 +24,8 @@ import torch.distributed as dist
 from instruction_set.plan import load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.codegen import groups_mesh
-from runtime.emulation import join_device
 from runtime.groups import Groups
+from runtime.rank import run_rank
 from runtime.train import TrainConfig, Trainer, assemble, local_parameters, setup, train_step
 
 
@@ -46,13 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", help="checkpoint to start from")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
-
-
-def _device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def _kill_point() -> tuple[int, int] | None:
@@ -95,28 +86,17 @@ def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict]) -> None
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        join_device()
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        device = _device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+
+    def body(rank: int, device: torch.device) -> None:
         plan = load_plan(args.plan)
         groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                              max_grad_norm=args.max_grad_norm, seed=args.seed)
         trainer = setup(plan, groups, config, device)
         start = load_checkpoint(trainer, args.resume) if args.resume else 0
-        log = _train(trainer, args, start)
-        _finish(trainer, args, log)
-        dist.destroy_process_group()
-        return 0
-    except Exception as err:  # report which rank failed and why, then exit non-zero
-        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        if os.environ.get("HETSYNTH_DEBUG"):
-            traceback.print_exc()
-        return 1
+        _finish(trainer, args, _train(trainer, args, start))
+
+    return run_rank(body, timeout_s=args.timeout)
 
 
 if __name__ == "__main__":

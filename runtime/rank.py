@@ -1,0 +1,54 @@
+"""The life of one rank under torchrun, shared by every worker entry point (training, the
+profiler, the plan comparison, the collectives benchmark).
+
+`run_rank(body, timeout_s=...)`: join this rank's emulated device when there is one
+(runtime.emulation), one torch thread per OMP_NUM_THREADS, create the default process group
+(NCCL on a GPU, gloo on CPU) with the collective timeout, run `body(rank, device)`, then a
+barrier and teardown. Any exception prints `rank N failed: <type>: <message>` on stderr (the
+launcher names the failed rank from it; HETSYNTH_DEBUG=1 adds the traceback) and the exit
+status is 1, so the other ranks fail their next collective within the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from runtime.emulation import join_device
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU (by LOCAL_RANK) when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
+             device: torch.device | None = None) -> int:
+    """Run `body` on this rank (see the module docstring); returns the exit status.
+    `device` overrides rank_device() (the CPU-only tools)."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        join_device()
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        device = device or rank_device()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        body(rank, device)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except Exception as err:  # name the failed rank, exit non-zero
+        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        if os.environ.get("HETSYNTH_DEBUG"):
+            traceback.print_exc()
+        return 1
