@@ -46,12 +46,8 @@ def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, f
     from planner import baselines
     from planner.planner import make_plan
 
-    from hetsynth.models import parse_model_ref
-    from planner.op_profile import measure_ops
-
     cluster = hetsynth.load_cluster(str(cluster_path))
-    spec = parse_model_ref(ref)
-    graph = measure_ops(hetsynth.capture_model(ref), spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    graph = hetsynth.capture_measured(ref)
     made = {
         "hetsynth": make_plan(graph, cluster, progress=False, with_baselines=False),
         "dp_ev": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,

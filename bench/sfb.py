@@ -49,21 +49,19 @@ def case_plans(ref: str, cluster) -> tuple[dict, list[str]]:
     """{"hetsynth": its own plan, "dp_sfb": data parallelism with SFB on every linear weight,
     "dp_allreduce": the same with all-reduce}, and the weights that data parallelism gives
     SFB when the cost model decides (not forced)."""
-    import hetsynth
-    from hetsynth.models import parse_model_ref
-    from planner.op_profile import measure_ops
-    from planner.planner import make_plan, without_sfb
-    from planner.problem import Restrictions
+    import dataclasses
 
-    spec = parse_model_ref(ref)
-    graph = measure_ops(hetsynth.capture_model(ref), spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
-    dp = dict(param_layouts=("R",), input_layout="S0", batch_split_only=True, two_level=False)
-    plan = lambda **r: make_plan(graph, cluster, progress=False, with_baselines=False, restrictions=Restrictions(**r))
+    import hetsynth
+    from planner.planner import DP_SEED, make_plan, without_sfb
+
+    graph = hetsynth.capture_measured(ref)
+    plan = lambda **r: make_plan(graph, cluster, progress=False, with_baselines=False,
+                                 restrictions=dataclasses.replace(DP_SEED, **r))
     split = {n.name: "S0" for n in graph.calls if n.target == "aten.linear.default"}
-    forced = plan(**dp, force_sfb=True, force=split)
+    forced = plan(force_sfb=True, force=split)
     made = {"hetsynth": make_plan(graph, cluster, progress=False, with_baselines=False),
             "dp_sfb": forced, "dp_allreduce": without_sfb(forced)}
-    return made, sfb_weights(plan(**dp))
+    return made, sfb_weights(plan())
 
 
 def gpt_choices(measured_spec: Path) -> dict[str, list[str]]:

@@ -77,9 +77,7 @@ def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,
         moved = op_bytes(node, in_metas)
         work = [max(flops / k.throughput_flops, moved / (k.memory_bandwidth_gbyte_s * 1e9)) for k in kinds]
     fixed = [launches(node) * k.kernel_launch_us * 1e-6 for k in kinds]
-    if sharded:
-        return LinearCost(tuple(fixed), tuple(work))
-    return LinearCost(tuple(f + w for f, w in zip(fixed, work)), (0.0,) * n)
+    return LinearCost.work(fixed, work, sharded=sharded)
 
 
 UPDATE_PASSES = 16.0
@@ -99,13 +97,9 @@ def update_cost(node: Node, sharded: bool, kinds: Sequence[DeviceKind],
     else:
         fixed = (0.0,) * n
         work = tuple(UPDATE_PASSES * node.out.nbytes / (k.memory_bandwidth_gbyte_s * 1e9) for k in kinds)
-    if sharded:
-        return LinearCost(fixed, work)
-    return LinearCost(tuple(f + w for f, w in zip(fixed, work)), (0.0,) * n)
+    return LinearCost.work(fixed, work, sharded=sharded)
 
 
 def flops_cost(flops: float, kinds: Sequence[DeviceKind], sharded: bool) -> LinearCost:
     """Pure matmul work (used for sufficient-factor rebuilds)."""
-    work = tuple(flops / k.throughput_flops for k in kinds)
-    zeros = (0.0,) * len(kinds)
-    return LinearCost(zeros, work) if sharded else LinearCost(work, zeros)
+    return LinearCost.work([0.0] * len(kinds), [flops / k.throughput_flops for k in kinds], sharded=sharded)

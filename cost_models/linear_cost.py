@@ -27,6 +27,14 @@ class LinearCost:
         return LinearCost((value,) * n, (0.0,) * n)
 
     @staticmethod
+    def work(fixed: Sequence[float], work: Sequence[float], *, sharded: bool) -> "LinearCost":
+        """Per-device `fixed` time plus `work` done on the device's share when `sharded`, in
+        full by every device otherwise."""
+        if sharded:
+            return LinearCost(tuple(fixed), tuple(work))
+        return LinearCost(tuple(f + w for f, w in zip(fixed, work)), (0.0,) * len(fixed))
+
+    @staticmethod
     def zero(n: int) -> "LinearCost":
         return LinearCost((0.0,) * n, (0.0,) * n)
 

@@ -15,6 +15,11 @@ import torch
 MATMULS = [(3072, 128, 512), (3072, 512, 128), (1024, 1024, 1024), (32, 3136, 1024)]
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for the device's queued work: cuda synchronize, nothing on the CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def sustained_seconds(fn: Callable[[], object], min_seconds: float, sync: Callable[[], None] = lambda: None,
                       min_calls: int = 3) -> float:
     """Seconds per call over repetitions filling at least min_seconds (after one warm-up)."""
@@ -30,7 +35,7 @@ def sustained_seconds(fn: Callable[[], object], min_seconds: float, sync: Callab
 
 def matmul_throughput(device: torch.device, seconds: float) -> float:
     """FLOP/s: the best of the MATMULS shapes' sustained rates."""
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     rates = []
     for m, k, n in MATMULS:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
@@ -42,7 +47,7 @@ def memory_bandwidth(device: torch.device, seconds: float) -> float:
     """Bytes/s of a streaming elementwise add into a preallocated output (two 32 MiB reads,
     one 32 MiB write): a fresh output per call would time the allocator's page faults, which
     vary with the process's malloc state."""
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     big = torch.randn(8 * 2**20, device=device)
     out = torch.empty_like(big)
     return 3 * big.numel() * 4 / sustained_seconds(lambda: torch.add(big, big, out=out), seconds, sync)

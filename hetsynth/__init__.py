@@ -58,9 +58,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         ref = parse_model_ref(model)
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
-        graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
-        if measure_ops:
-            graph = _measured(graph, ref.build("cpu"), ref.make_batch(range(ref.batch_size), seed=1))
+        capture = capture_measured if measure_ops else capture_model
+        graph = capture(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
     else:
         if example_inputs is None:
             raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
@@ -74,6 +73,16 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     return make_plan(graph, spec, ratios=ratios, progress=progress)
 
 
+def capture_measured(ref: str, *, allow_replicate_fallback: bool = False) -> ReferenceGraph:
+    """capture_model(ref) with the model's ops and optimizer step timed on this machine, on
+    its own initialisation and first batch (planner.op_profile; `hetsynth plan --measure-ops`)."""
+    from hetsynth.models import parse_model_ref
+
+    spec = parse_model_ref(ref)
+    graph = capture_model(spec.ref, allow_replicate_fallback=allow_replicate_fallback)
+    return _measured(graph, spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+
+
 def _measured(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.Tensor]) -> ReferenceGraph:
     from planner.op_profile import measure_ops
 
@@ -81,5 +90,5 @@ def _measured(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.T
     return measure_ops(graph, module, inputs)
 
 
-__all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_model", "load_cluster", "load_plan",
+__all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_measured", "capture_model", "load_cluster", "load_plan",
            "plan", "save_plan", "__version__"]

@@ -48,15 +48,12 @@ def demo_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, str]:
 
 
 def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
-    from hetsynth import capture_model
-    from hetsynth.models import parse_model_ref
+    from hetsynth import capture_measured
     from planner import baselines
-    from planner.op_profile import measure_ops
     from planner.planner import make_plan
 
-    spec = parse_model_ref(model)
     start = time.perf_counter()
-    graph = measure_ops(capture_model(model), spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    graph = capture_measured(model)
     print(f"captured {model} and timed its ops on this machine in {time.perf_counter() - start:.1f} s")
     return {"hetsynth": make_plan(graph, cluster, progress=True),
             "DP-EV": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,

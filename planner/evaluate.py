@@ -22,7 +22,7 @@ from cost_models.memory import GIB, MemoryTerm, activation_memory, param_memory
 from instruction_set.layouts import axes, is_shard, is_two_level
 from instruction_set.plan import DevicePrediction, Prediction
 from instruction_set.program import Instruction
-from planner.problem import Problem
+from planner.problem import Problem, rule_splits
 from planner.sfb import sfb_cost
 
 
@@ -57,10 +57,8 @@ def _compute_term(pb: Problem, ins: Instruction) -> Term:
     node = pb.graph.node(ins.node)
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
-    layouts = (rule.output, *rule.inputs)
-    sharded = any(is_shard(l) for l in layouts)
-    return Term(pb.compute_linear(node, ri), pb.rule_shares(node, rule), lp_kind(layouts), True,
-                activation_memory(node, sharded, pb.n))
+    return Term(pb.compute_linear(node, ri), pb.rule_shares(node, rule), lp_kind((rule.output, *rule.inputs)),
+                True, activation_memory(node, rule_splits(rule), pb.n))
 
 
 def _param_term(pb: Problem, ins: Instruction) -> Term:
@@ -112,8 +110,13 @@ def step_term(pb: Problem) -> Term:
     return Term(LinearCost.constant(STEP_SCALARS * one, pb.n), (1.0,) * pb.n, "none", False)
 
 
+def first_input_layouts(program: Sequence[Instruction]) -> dict[str, str]:
+    """Op -> the layout its first input is read in (SFB's costs depend on it)."""
+    return {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
+
+
 def program_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
-    x_layouts = {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
+    x_layouts = first_input_layouts(program)
     terms = [instruction_term(pb, ins, x_layouts) for ins in program]
     return [t for t in terms if t is not None] + [step_term(pb)]
 

@@ -20,6 +20,7 @@ how many GiB, for the best plan found.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -31,7 +32,7 @@ from instruction_set.layouts import is_shard
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.program import COLLECTIVES, Instruction
 from planner import baselines
-from planner.evaluate import instruction_term, predict, program_terms
+from planner.evaluate import first_input_layouts, instruction_term, predict, program_terms
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
@@ -40,7 +41,7 @@ MEMORY_ATTEMPTS = 6
 SEED_WIDTH = 8  # the incumbents' spaces are narrow; a small width finds their optimum
 
 # The incumbent of every search: data parallelism (any all-reduce variant, SFB allowed).
-DP_SEED = Restrictions(param_layouts=("R",), input_layout="S0", batch_split_only=True, two_level=False)
+DP_SEED = dataclasses.replace(baselines.DP, allow_sfb=True)
 
 
 class PlanInfeasible(ValueError):
@@ -196,7 +197,7 @@ def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ..
 
 def finalize(pb: Problem, program: Sequence[Instruction]) -> tuple[Instruction, ...]:
     """Instructions with predicted seconds (and variant alternatives) at the final ratios."""
-    x_layouts = {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
+    x_layouts = first_input_layouts(program)
     out = []
     for ins in program:
         term = instruction_term(pb, ins, x_layouts)

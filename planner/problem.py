@@ -66,12 +66,21 @@ class Step:
     axis: str = "all"
 
 
+def rule_entries(node: Node, rule: Rule) -> list[tuple[str, Layout]]:
+    """(tensor, layout) of the op's output and of each input under a rule."""
+    return [(node.name, rule.output), *zip(node.inputs, rule.inputs)]
+
+
+def rule_splits(rule: Rule) -> bool:
+    """Whether the rule splits the op's work (some entry is sharded)."""
+    return any(is_shard(l) for l in (rule.output, *rule.inputs))
+
+
 def rule_links(node: Node, rules: Sequence[Rule]) -> list[tuple]:
     """Pairs of linked (tensor, dim): every sharded entry of a rule with the first one."""
     links = []
     for rule in rules:
-        keys = [(node.name, shard_dim(rule.output))] if shard_dim(rule.output) is not None else []
-        keys += [(t, shard_dim(l)) for t, l in zip(node.inputs, rule.inputs) if shard_dim(l) is not None]
+        keys = [(t, shard_dim(l)) for t, l in rule_entries(node, rule) if shard_dim(l) is not None]
         links += [(keys[0], k) for k in keys[1:]]
     return links
 
@@ -154,8 +163,7 @@ class Problem:
 
     def _batch_only(self, node: Node, rule: Rule) -> bool:
         """An across-nodes rule: it splits only batch dims (or nothing)."""
-        entries = [(node.name, rule.output), *zip(node.inputs, rule.inputs)]
-        return all(self.is_batch(t, l) for t, l in entries if is_shard(l))
+        return all(self.is_batch(t, l) for t, l in rule_entries(node, rule) if is_shard(l))
 
     def _rules(self, node: Node, base: list[Rule]) -> list[Rule]:
         rules = list(base)
@@ -163,9 +171,8 @@ class Problem:
             outer = [r for r in base if self._batch_only(node, r)]
             rules += [p for ro in outer for ri in base if ro is not ri
                       for p in [product_rule(ro, ri)] if p is not None]
-        entries = lambda r: [(node.name, r.output), *zip(node.inputs, r.inputs)]
         forced = self.restrictions.force.get(node.name)
-        return [r for r in rules if all(self.allowed(t, l) for t, l in entries(r))
+        return [r for r in rules if all(self.allowed(t, l) for t, l in rule_entries(node, r))
                 and (forced is None or r.output == forced)]
 
     # -- shares and costs -----------------------------------------------------------------
@@ -179,8 +186,7 @@ class Problem:
 
     def rule_shares(self, node: Node, rule: Rule) -> tuple[float, ...]:
         """Each device's fraction of the op's work: the smallest share among split entries."""
-        entries = [(node.name, rule.output), *zip(node.inputs, rule.inputs)]
-        split = [self.shares(t, l) for t, l in entries if is_shard(l)]
+        split = [self.shares(t, l) for t, l in rule_entries(node, rule) if is_shard(l)]
         if not split:
             return (1.0,) * self.n
         return tuple(min(v) for v in zip(*split))
@@ -188,8 +194,7 @@ class Problem:
     def compute_linear(self, node: Node, rule_index: int) -> LinearCost:
         key = (node.name, rule_index)
         if key not in self._compute:
-            rule = self.rules[node.name][rule_index]
-            sharded = is_shard(rule.output) or any(is_shard(l) for l in rule.inputs)
+            sharded = rule_splits(self.rules[node.name][rule_index])
             self._compute[key] = compute_cost(node, self.in_metas(node), sharded, self.kinds, self.reference)
         return self._compute[key]
 
@@ -206,8 +211,8 @@ class Problem:
         shares = self.rule_shares(node, rule)
         seconds = self.compute_linear(node, rule_index).at(shares)
         if self.memory_weight:
-            sharded = is_shard(rule.output) or any(is_shard(l) for l in rule.inputs)
-            seconds += self.memory_weight * max(activation_memory(node, sharded, self.n).per_device(shares))
+            memory = activation_memory(node, rule_splits(rule), self.n)
+            seconds += self.memory_weight * max(memory.per_device(shares))
         return seconds
 
     def update_linear(self, tensor: str, layout: Layout) -> LinearCost:

@@ -51,10 +51,6 @@ def span(plan: Plan, groups: Groups, tensor: str, layout: str, axis: str) -> C.S
                   tuple(lengths[m] for m in members))
 
 
-def _levels(plan: Plan, groups: Groups, tensor: str) -> tuple[C.Span, C.Span]:
-    return span(plan, groups, tensor, "R", "inner"), span(plan, groups, tensor, "R", "outer")
-
-
 def make_conversion(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
     kind, axis, t = ins.kind, ins.axis, ins.tensor
     head = f"axis={axis}, {ins.src}->{ins.layout}"
@@ -71,11 +67,11 @@ def make_conversion(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
         return Conversion("AllToAll", lambda x: C.all_to_all(x, a, b),
                           f"{head}, from {a.describe()} to {b.describe()}")
     if kind == "all_reduce":
-        s = span(plan, groups, t, "R", axis)
-        levels = _levels(plan, groups, t) if ins.variant == "hierarchical" else None
+        s = groups.span(axis)
+        levels = (groups.span("inner"), groups.span("outer")) if ins.variant == "hierarchical" else None
         return Conversion("AllReduce", lambda x: C.all_reduce(x, s, levels), f"{head}, variant={ins.variant}")
     if kind == "all_reduce_max":
-        s = span(plan, groups, t, "R", axis)
+        s = groups.span(axis)
         return Conversion("AllReduceMax", lambda x: C.all_reduce_max(x, s), head)
     if kind == "slice":
         return _slice(plan, groups, ins)

@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from instruction_set.mesh import Mesh
+from runtime.collectives.span import Span
 
 
 @dataclass
@@ -58,3 +59,8 @@ class Groups:
 
     def index(self, axis: str) -> int:
         return self.members(axis).index(self.rank)
+
+    def span(self, axis: str) -> Span:
+        """My whole group along `axis`, nothing split (what an all-reduce needs)."""
+        members = tuple(self.members(axis))
+        return Span(self.group(axis), members, self.index(axis), 0, (0,) * len(members))

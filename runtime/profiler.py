@@ -30,7 +30,7 @@ import torch.distributed as dist
 from cost_models.calibration import AlphaBeta, Calibration
 from cost_models.cluster import ClusterSpec
 from cost_models.comm import collective_form
-from cost_models.measure import matmul_throughput, memory_bandwidth, sustained_seconds
+from cost_models.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
 from instruction_set.shards import largest_remainder
 from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
 from runtime.collectives.allreduce import reduce_ring
@@ -61,7 +61,7 @@ def calls_per_rep(nbytes: int) -> int:
 
 
 def measure_compute(device: torch.device, seconds: float) -> dict[str, float]:
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     bandwidth = memory_bandwidth(device, seconds)
     tiny = torch.ones(1, device=device)
     launch = sustained_seconds(lambda: tiny + tiny, seconds / 4, sync)
@@ -104,7 +104,7 @@ def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device:
     """Time every case on my group along `axis` for each size and skew (the first member's
     share, the rest split evenly); every rank calls it (collective)."""
     g = len(groups.members(axis))
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     out = []
     for case in cases or list(CASES):
         fn = CASES[case]

@@ -27,8 +27,7 @@ from instruction_set.layouts import axes, is_shard
 from instruction_set.plan import Plan
 from instruction_set.shards import rank_offset
 from runtime.codegen import RankProgram, build_rank_program, groups_mesh
-from runtime.collectives import Span
-from runtime.collectives.allreduce import reduce_hierarchical, reduce_ring
+from runtime.collectives.allreduce import reduce_sum
 from runtime.groups import Groups
 
 
@@ -122,10 +121,6 @@ def local_batch(trainer: Trainer, step: int) -> list[torch.Tensor]:
 
 # -- gradients ------------------------------------------------------------------------------------
 
-def _sync_span(groups: Groups, axis: str) -> Span:
-    return Span(groups.group(axis), tuple(groups.members(axis)), groups.index(axis), 0, ())
-
-
 def sync_gradients(trainer: Trainer) -> None:
     """All-reduce the gradients of replicated parameters along their replica axis, bucketed."""
     by_kind: dict[tuple[str, str], list[torch.Tensor]] = {}
@@ -139,11 +134,11 @@ def sync_gradients(trainer: Trainer) -> None:
         by_kind.setdefault((p.sync.axis, p.sync.variant), []).append(param.grad)
     groups = trainer.groups
     for (axis, variant), grads in by_kind.items():
-        levels = (_sync_span(groups, "inner"), _sync_span(groups, "outer")) if variant == "hierarchical" else None
-        span = _sync_span(groups, axis)
+        levels = (groups.span("inner"), groups.span("outer")) if variant == "hierarchical" else None
+        span = groups.span(axis)
         for bucket in _buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            flat = reduce_hierarchical(flat, *levels) if levels else reduce_ring(flat, span)
+            flat = reduce_sum(flat, span, levels)
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

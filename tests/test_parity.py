@@ -10,6 +10,7 @@ the reassembled parameters within 1e-8.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from hetsynth import capture_model
 from hetsynth.models import parse_model_ref
 from instruction_set.graph import ReferenceGraph
 from instruction_set.plan import Plan
-from planner.planner import make_plan
+from planner.planner import DP_SEED, make_plan
 from planner.problem import Restrictions
 from runtime.train import TrainConfig, assemble, reference_training
 
@@ -189,9 +190,8 @@ def test_sufficient_factor_broadcasting(pools, model: str, ratios: list[float], 
     with one variant, a zero-length shard among them), biases all-reduced as usual."""
     ref = f"{model}:tiny,dtype=float64"
     force = {n: "S0" for n in nodes(capture_model(ref), "aten.linear.default", "blocks")}
-    plan = make(ref, ratios, Restrictions(param_layouts=("R",), input_layout="S0", batch_split_only=True,
-                                          two_level=False, force_sfb=True, force=force,
-                                          variants={"all_gather": (variant,)}))
+    plan = make(ref, ratios, dataclasses.replace(DP_SEED, force_sfb=True, force=force,
+                                                 variants={"all_gather": (variant,)}))
     sfb = [i for i in plan.instructions if i.kind == "sfb"]
     assert sfb and all(i.variant == variant for i in sfb), [i.describe() for i in plan.instructions]
     check(pools, plan)

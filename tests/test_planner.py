@@ -3,6 +3,7 @@ fixed ratios, memory infeasibility, JSON round trip and version checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -115,7 +116,6 @@ class _Linear(torch.nn.Module):
         return self.fc(x).square().mean()
 
 
-DP_SPACE = dict(param_layouts=("R",), input_layout="S0", batch_split_only=True, two_level=False)
 
 
 @pytest.mark.parametrize("tokens,expect_sfb", [(8, True), (8192, False)])
@@ -123,14 +123,13 @@ def test_sfb_chosen_by_cost_where_it_pays(tokens: int, expect_sfb: bool) -> None
     """A 2048 x 2048 weight on the HAP cluster: SFB (gather 8 tokens' factors) beats the
     all-reduce of 16 MiB; at 8192 tokens (> 2 * in * out / (in + out) = 2048) it does not.
     The sync instruction records both predicted alternatives."""
-    from planner.planner import make_plan
-    from planner.problem import Restrictions
+    from planner.planner import DP_SEED, make_plan
 
     cluster = load_cluster(CLUSTERS / "hap-paper.toml").first(8)
     with torch.device("meta"):
         model = _Linear(2048, 2048)
     graph = hetsynth.capture_model(model, (torch.zeros(tokens, 2048, device="meta"),))
-    plan = make_plan(graph, cluster, progress=False, with_baselines=False, restrictions=Restrictions(**DP_SPACE))
+    plan = make_plan(graph, cluster, progress=False, with_baselines=False, restrictions=DP_SEED)
     sync = next(i for i in plan.instructions if i.tensor == "p_fc_weight" and i.phase == "backward")
     assert set(sync.alternatives) == {"all_reduce", "sfb"}
     assert (sync.kind == "sfb") == expect_sfb, sync.alternatives
@@ -138,14 +137,13 @@ def test_sfb_chosen_by_cost_where_it_pays(tokens: int, expect_sfb: bool) -> None
 
 
 def test_without_sfb_is_the_same_plan_with_all_reduce() -> None:
-    from planner.planner import make_plan, without_sfb
-    from planner.problem import Restrictions
+    from planner.planner import DP_SEED, make_plan, without_sfb
 
     cluster = load_cluster(CLUSTERS / "local-emulated.toml")
     graph = hetsynth.capture_model("vgg:tiny")
     force = {n.name: "S0" for n in graph.calls if n.target == "aten.linear.default"}
     plan = make_plan(graph, cluster, progress=False, with_baselines=False,
-                     restrictions=Restrictions(**DP_SPACE, force_sfb=True, force=force))
+                     restrictions=dataclasses.replace(DP_SEED, force_sfb=True, force=force))
     sfb = {i.tensor for i in plan.instructions if i.kind == "sfb"}
     assert sfb == {"p_fc1_weight", "p_fc2_weight", "p_fc3_weight"}
     other = without_sfb(plan)

@@ -39,16 +39,20 @@ def reduce_hierarchical(x: torch.Tensor, inner: Span, outer: Span) -> torch.Tens
     return whole[:flat.numel()].view_as(x)
 
 
+def reduce_sum(x: torch.Tensor, span: Span, levels: tuple[Span, Span] | None = None) -> torch.Tensor:
+    """The sum over the group: hierarchical when `levels` (node span, cross-node span) are given."""
+    return reduce_hierarchical(x, *levels) if levels else reduce_ring(x, span)
+
+
 class AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, span: Span, levels: tuple[Span, Span] | None) -> torch.Tensor:
         ctx.span, ctx.levels = span, levels
-        return reduce_hierarchical(x, *levels) if levels else reduce_ring(x, span)
+        return reduce_sum(x, span, levels)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        out = reduce_hierarchical(grad, *ctx.levels) if ctx.levels else reduce_ring(grad, ctx.span)
-        return out, None, None
+        return reduce_sum(grad, ctx.span, ctx.levels), None, None
 
 
 def all_reduce(x: torch.Tensor, span: Span, levels: tuple[Span, Span] | None = None) -> torch.Tensor:

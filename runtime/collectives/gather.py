@@ -11,12 +11,11 @@ Backward is the adjoint, reduce-scatter with the same variant: the gradient of t
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from runtime.collectives import scatter as rs
+from runtime.collectives.adjoint import Adjoint
 from runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
@@ -70,16 +69,5 @@ def gather_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
 GATHER = {"padded": gather_padded, "grouped": gather_grouped, "ring": gather_ring}
 
 
-class AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, span: Span, variant: str) -> torch.Tensor:
-        ctx.span, ctx.variant = span, variant
-        return GATHER[variant](x, span)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return rs.SCATTER[ctx.variant](grad, ctx.span), None, None
-
-
 def all_gather(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
-    return AllGather.apply(x, span, variant)
+    return Adjoint.apply(x, span, GATHER[variant], rs.SCATTER[variant])

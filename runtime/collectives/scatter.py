@@ -11,12 +11,11 @@ Backward is the adjoint, all-gather with the same variant.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from runtime.collectives import gather as ag
+from runtime.collectives.adjoint import Adjoint
 from runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
@@ -58,16 +57,5 @@ def scatter_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
 SCATTER = {"padded": scatter_padded, "grouped": scatter_grouped, "ring": scatter_ring}
 
 
-class ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, span: Span, variant: str) -> torch.Tensor:
-        ctx.span, ctx.variant = span, variant
-        return SCATTER[variant](x, span)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return ag.GATHER[ctx.variant](grad, ctx.span), None, None
-
-
 def reduce_scatter(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
-    return ReduceScatter.apply(x, span, variant)
+    return Adjoint.apply(x, span, SCATTER[variant], ag.GATHER[variant])
