@@ -6,8 +6,8 @@ Steps:
      bench/results/local-emulated-measured.toml when that exists (`hetsynth profile` wrote
      it; `--profile` measures again), emulated on this machine (network namespaces, shaped
      links, CPU quotas; runtime.emulation) when root, else plain local processes;
-  2. capture the model, time its ops here (planner.op_profile), synthesize the plan and the
-     DP-EV baseline (even batch split) for the cluster;
+  2. capture the model (its graph summary: op counts, parameters, FLOPs), time its ops here
+     (planner.op_profile), synthesize the plan and the DP-EV baseline (even batch split);
   3. train both on the same workers, interleaved (runtime.compare), and print the median step
      times, the speed-up and the prediction;
   4. train the single-device model as many steps and compare every step's global loss.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from cost_models.cluster import ClusterSpec, load_cluster
-from hetsynth.report import cluster_summary, cluster_summary_text, plan_summary_text
+from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text, plan_summary_text
 from instruction_set.plan import Plan, save_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,11 +50,13 @@ def demo_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, str]:
 def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
     from hetsynth import capture_measured
     from planner import baselines
+    from planner.capture import summarize
     from planner.planner import make_plan
 
     start = time.perf_counter()
     graph = capture_measured(model)
-    print(f"captured {model} and timed its ops on this machine in {time.perf_counter() - start:.1f} s")
+    print(f"captured {model} and timed its ops on this machine in {time.perf_counter() - start:.1f} s\n")
+    print(graph_summary_text(summarize(graph)) + "\n")
     return {"hetsynth": make_plan(graph, cluster, progress=True),
             "DP-EV": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,
                                progress=False, with_baselines=False)}
