@@ -107,7 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for env in args.envs:
             spec = environment(env, Path(tmp))
-            records = measure(spec, sizes, 1 if args.quick else 5, Path(tmp))
+            records = measure(spec, sizes, 1 if args.quick else 9, Path(tmp))
             rows, score = analyse(env, spec, records)
             results[env] = {"records": records, "score": score, "spec": str(spec.relative_to(ROOT))}
             all_rows += rows

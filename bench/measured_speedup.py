@@ -47,7 +47,7 @@ def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, f
     from planner.planner import make_plan
 
     cluster = hetsynth.load_cluster(str(cluster_path))
-    graph = hetsynth.capture_measured(ref)
+    graph = hetsynth.capture_measured(ref, cluster=cluster)
     made = {
         "hetsynth": make_plan(graph, cluster, progress=False, with_baselines=False),
         "dp_ev": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,

@@ -54,7 +54,7 @@ def case_plans(ref: str, cluster) -> tuple[dict, list[str]]:
     import hetsynth
     from planner.planner import DP_SEED, make_plan, without_sfb
 
-    graph = hetsynth.capture_measured(ref)
+    graph = hetsynth.capture_measured(ref, cluster=cluster)
     plan = lambda **r: make_plan(graph, cluster, progress=False, with_baselines=False,
                                  restrictions=dataclasses.replace(DP_SEED, **r))
     split = {n.name: "S0" for n in graph.calls if n.target == "aten.linear.default"}

@@ -8,7 +8,9 @@ backward), `bytes` the op's inputs and outputs, read and written once forward an
 twice backward when a gradient flows (a roofline estimate: Williams et al., CACM 2009).
 A sharded op does `share_i` of that work on device i; replicated work is done in full by every
 device, the slow ones too. When the op was timed on a reference machine (planner.op_profile)
-the roofline is replaced by `measured_s * reference_flops / throughput_flops_i`. Pure views (view, transpose, expand, ...) launch nothing and are free.
+the roofline is replaced by `measured_s * reference_flops / throughput_flops_i`, or by
+`measured_s * device_scale_k` when the whole model was also timed on devices of kind k
+(runtime.model_timing). Pure views (view, transpose, expand, ...) launch nothing and are free.
 
 The optimizer step of a trained parameter is memory-bound work on every device that holds
 it (its share when sharded, all of it when replicated):
@@ -51,15 +53,20 @@ def launches(node: Node) -> int:
 
 @dataclass(frozen=True)
 class Reference:
-    """The machine that timed the ops (planner.op_profile), by its matmul FLOP/s. (Scaling
-    memory-bound ops by a streaming-bandwidth ratio instead was tried: on this machine that
-    kernel's rate varies threefold between processes with the last-level cache's state.)"""
+    """The machine that timed the ops (planner.op_profile), by its matmul FLOP/s, and per
+    device the measured factor of the whole model there (runtime.model_timing), None where
+    not measured. (Scaling memory-bound ops by a streaming-bandwidth ratio instead was tried:
+    on this machine that kernel's rate varies threefold between processes with the
+    last-level cache's state.)"""
 
     flops: float
+    measured: tuple[float | None, ...] = ()
 
     def scales(self, kinds: Sequence[DeviceKind]) -> list[float]:
-        """Per device: how much longer an op takes there than on the reference machine."""
-        return [self.flops / k.throughput_flops for k in kinds]
+        """Per device: how much longer an op takes there than on the reference machine: the
+        measured factor, else the ratio of matmul rates."""
+        measured = self.measured or (None,) * len(kinds)
+        return [m if m is not None else self.flops / k.throughput_flops for m, k in zip(measured, kinds, strict=True)]
 
 
 def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,

@@ -45,7 +45,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          measure_ops: bool = False) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (planner.op_profile): for clusters of
-    this machine's CPUs, such as the emulated one."""
+    this machine's CPUs, such as the emulated one (a model reference is then also timed on
+    the emulated devices, runtime.model_timing)."""
     from hetsynth.models import parse_model_ref, with_overrides
     from planner.planner import make_plan
 
@@ -58,8 +59,10 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         ref = parse_model_ref(model)
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
-        capture = capture_measured if measure_ops else capture_model
-        graph = capture(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
+        if measure_ops:
+            graph = capture_measured(ref.ref, allow_replicate_fallback=allow_replicate_fallback, cluster=spec)
+        else:
+            graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
     else:
         if example_inputs is None:
             raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
@@ -73,14 +76,41 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     return make_plan(graph, spec, ratios=ratios, progress=progress)
 
 
-def capture_measured(ref: str, *, allow_replicate_fallback: bool = False) -> ReferenceGraph:
+def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,
+                     cluster: ClusterSpec | None = None) -> ReferenceGraph:
     """capture_model(ref) with the model's ops and optimizer step timed on this machine, on
-    its own initialisation and first batch (planner.op_profile; `hetsynth plan --measure-ops`)."""
+    its own initialisation and first batch (planner.op_profile; `hetsynth plan --measure-ops`).
+    With a `cluster` that is emulated here, the whole model is also timed on its devices
+    (runtime.model_timing) and the graph records each device kind's factor."""
     from hetsynth.models import parse_model_ref
 
     spec = parse_model_ref(ref)
     graph = capture_model(spec.ref, allow_replicate_fallback=allow_replicate_fallback)
-    return _measured(graph, spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    graph = _measured(graph, spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    if cluster is not None and cluster.emulation is not None:
+        graph = with_device_scales(graph, spec.ref, cluster)
+    return graph
+
+
+def with_device_scales(graph: ReferenceGraph, ref: str, cluster: ClusterSpec) -> ReferenceGraph:
+    """The timed graph with device_scales from timing `ref` on the emulated devices of
+    `cluster` (unchanged, with a note, where this machine cannot emulate)."""
+    from runtime import emulation
+    from runtime.model_timing import time_on_cluster
+
+    reason = emulation.unavailable()
+    if reason is not None:
+        print(f"note: not timing {ref} on the emulated devices ({reason}); device speeds from their "
+              f"matmul rates", flush=True)
+        return graph
+    whole = sum(n.measured_s or 0.0 for n in graph.nodes)
+    full = time_on_cluster(ref, cluster)
+    scales = {kind: seconds / whole for kind, seconds in full.items()}
+    print(f"timed {ref} on the emulated devices: " + ", ".join(
+        f"{kind} {full[kind]:.2f} s per batch ({scales[kind]:.2f}x this machine, "
+        f"{graph.reference_flops / cluster.device_kinds[kind].throughput_flops:.2f}x by matmul rate)"
+        for kind in sorted(full)), flush=True)
+    return graph.model_copy(update={"device_scales": scales})
 
 
 def _measured(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.Tensor]) -> ReferenceGraph:

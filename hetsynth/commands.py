@@ -141,7 +141,7 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="measured.toml")
     p.add_argument("--seconds", type=float, default=1.0, help="time spent on each compute measurement")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each collective measurement")
-    p.add_argument("--max-bytes", type=int, default=4 * 2**20, help="largest message measured")
+    p.add_argument("--max-bytes", type=int, default=16 * 2**20, help="largest message measured")
 
 
 def profile_run(args: argparse.Namespace) -> int:

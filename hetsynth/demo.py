@@ -54,7 +54,7 @@ def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
     from planner.planner import make_plan
 
     start = time.perf_counter()
-    graph = capture_measured(model)
+    graph = capture_measured(model, cluster=cluster)
     print(f"captured {model} and timed its ops on this machine in {time.perf_counter() - start:.1f} s\n")
     print(graph_summary_text(summarize(graph)) + "\n")
     return {"hetsynth": make_plan(graph, cluster, progress=True),

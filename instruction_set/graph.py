@@ -92,6 +92,9 @@ class ReferenceGraph(BaseModel):
     fallback_ops: tuple[str, ...] = ()
     reference_flops: float | None = None  # matmul FLOP/s of the machine that measured the ops
     update_s: tuple[float, float] | None = None  # optimizer step there: (s per parameter, s per byte)
+    # per device kind: how many times longer the model takes there than on that machine
+    # (timed on the devices, runtime.model_timing); replaces the matmul-rate ratio
+    device_scales: dict[str, float] | None = None
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ReferenceGraph":
         """A copy with fields replaced; the cached lookups (by_name, consumers, fingerprint)

@@ -224,7 +224,10 @@ class Problem:
     def reference(self) -> Reference | None:
         """The machine that timed the graph's ops, if they were timed."""
         g = self.graph
-        return Reference(g.reference_flops) if g.reference_flops else None
+        if not g.reference_flops:
+            return None
+        scales = g.device_scales or {}
+        return Reference(g.reference_flops, tuple(scales.get(d.kind) for d in self.cluster.devices))
 
     def storage_cost(self, tensor: str, layout: Layout) -> float:
         """Seconds of storing a parameter in `layout`: its optimizer step, plus the memory

@@ -7,10 +7,13 @@ inside its quotas and shaped links, or on a real one (NCCL on GPUs):
   sustained rates, cost_models.measure), a large elementwise add (memory bandwidth), a tiny
   op (per-op launch overhead, what eager execution of a captured graph pays per op);
 - communication: every collective variant of the runtime, on all ranks (link class "inter"
-  when the cluster has several nodes) and on each node's ranks ("intra"), for message sizes
-  from 64 KiB up and shards from even to skewed; then for each (variant, link class) the
+  when the cluster has several nodes), on each node's ranks ("intra") and on the cross-node
+  groups ("outer"), for messages of 64 KiB to 16 MiB and shards from even to skewed, the
+  variants of one size and skew back to back; then for each (variant, link class) the
   alpha and beta of the cost model's own formula (cost_models.comm) fitted by least squares
-  on relative error:   t = k_alpha * alpha + k_bytes(shares, D) / beta.
+  on relative error:   t = k_alpha * alpha + k_bytes(shares, D) / beta,
+  the errors of messages beyond 1 MiB weighted up (fit_weight: a shaped link's burst makes
+  small messages look faster than the sustained bandwidth).
 
 Rank 0 writes the spec with the measured figures (device kinds marked measured) and the
 calibration; it loads like any other spec.
@@ -37,22 +40,41 @@ from runtime.collectives.allreduce import reduce_ring
 from runtime.groups import Groups
 
 SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest
+BUDGET_S = 1.5  # seconds of repetitions per measurement, at least one
 
 
-def _time_collective(fn: Callable[[], object], reps: int, sync: Callable[[], None], calls: int = 1) -> float:
-    """Median seconds of a collective over a fixed number of repetitions of `calls` calls
-    each (every rank runs the same number of calls), after one warm-up. Several calls per
-    repetition average out the CPU-quota throttling (a 10 ms period) of short messages."""
+def _time_collective(fn: Callable[[], object], reps: int, device: torch.device, calls: int = 1,
+                     budget_s: float = BUDGET_S) -> float:
+    """Median seconds of a collective over up to `reps` repetitions of `calls` calls each,
+    after one warm-up; a repetition lasts until the last rank is done (the max over ranks:
+    with uneven shards one rank can finish long before the others, for example the owner
+    of a big shard that only receives small ones). Several calls per repetition average out
+    the CPU-quota throttling (a 10 ms period) of short messages; long messages stop
+    repeating once `budget_s` is spent. The ranks agree before each repetition (a 1-element
+    all-reduce, which also lines up their starts) so that all run the same calls."""
+    sync = device_sync(device)
     fn()
     sync()
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < reps and _agree(not times or spent < budget_s, device):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         sync()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        elapsed = time.perf_counter() - start
+        spent += elapsed
+        times.append(elapsed / calls)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
+
+
+def _agree(go_on: bool, device: torch.device) -> bool:
+    """Whether any rank wants another repetition (every rank then runs it)."""
+    flag = torch.tensor([1.0 if go_on else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def calls_per_rep(nbytes: int) -> int:
@@ -104,12 +126,13 @@ def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device:
     """Time every case on my group along `axis` for each size and skew (the first member's
     share, the rest split evenly); every rank calls it (collective)."""
     g = len(groups.members(axis))
-    sync = device_sync(device)
     out = []
-    for case in cases or list(CASES):
-        fn = CASES[case]
-        for nbytes in sizes:
-            for skew in skews:
+    # the variants of one size and skew are timed one after the other, so that a comparison
+    # between them sees the same machine
+    for nbytes in sizes:
+        for skew in skews:
+            for case in cases or list(CASES):
+                fn = CASES[case]
                 cols = 64
                 rows = max(g, nbytes // (4 * cols))
                 if case.startswith("all_to_all"):  # a square [rows, rows] tensor, S0 -> S1
@@ -119,8 +142,7 @@ def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device:
                 span = Span(groups.group(axis), tuple(groups.members(axis)), groups.index(axis), 0, lengths)
                 x, s, d = _input(case, span, rows, cols, device)
                 dist.barrier()
-                n = reps if nbytes <= 4 * 2**20 else 1  # seconds per call beyond 4 MiB
-                t = _time_collective(lambda: fn(x, s, d), n, sync, calls_per_rep(nbytes))
+                t = _time_collective(lambda: fn(x, s, d), reps, device, calls_per_rep(nbytes))
                 out.append({"case": case, "bytes": rows * cols * 4, "shares": [n / rows for n in lengths],
                             "group": g, "seconds": t})
     return out
@@ -139,12 +161,21 @@ def fit(records: Sequence[dict], link_class: str) -> dict[str, AlphaBeta]:
         for r in rows:
             unit_alpha = _coefficients(kind, variant, r, 1.0, 0.0, uniform)
             unit_bytes = _coefficients(kind, variant, r, 0.0, 1.0, uniform)
-            design.append([unit_alpha / r["seconds"], unit_bytes / r["seconds"]])
-            target.append(1.0)
+            w = fit_weight(r["bytes"])
+            design.append([w * unit_alpha / r["seconds"], w * unit_bytes / r["seconds"]])
+            target.append(w)
         alpha, beta_inv = nonnegative_fit(np.array(design), np.array(target))
         bandwidth = min(8 / beta_inv / 1e9, MAX_GBPS) if beta_inv > 0 else MAX_GBPS
         fits[case] = AlphaBeta(latency_us=alpha * 1e6, bandwidth_gbps=bandwidth)
     return fits
+
+
+def fit_weight(nbytes: int) -> float:
+    """Weight of a measurement's relative error in the fit: 1 for messages up to 1 MiB,
+    growing with the fourth root of the size beyond (1.4 at 4 MiB, 2 at 16 MiB). A shaped link
+    passes a burst at line rate, so below a few MiB it looks faster than it is; the large
+    messages, which show the sustained bandwidth, must decide beta."""
+    return max(1.0, nbytes / 2**20) ** 0.25
 
 
 MAX_GBPS = 10_000.0  # a latency-bound fit cannot tell bandwidths beyond this apart

@@ -158,3 +158,18 @@ def test_sigterm_removes_the_emulation() -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert leftovers() == {"namespaces": [], "cgroups": []}
+
+
+@needs_root
+def test_model_timed_on_the_emulated_devices() -> None:
+    """runtime.model_timing: every device kind is timed on its own emulated devices; the slow
+    kind (a quarter CPU) takes at least about the quota ratio longer than the fast one (half
+    a CPU); nothing is left behind."""
+    from runtime.model_timing import time_on_cluster
+
+    before = leftovers()
+    full = time_on_cluster("gpt:tiny,batch_size=96", SPEC, seconds=0.2)
+    assert set(full) == set(SPEC.device_kinds)
+    expected = SPEC.emulation.cpu_quota["cpu-fast"] / SPEC.emulation.cpu_quota["cpu-slow"]
+    assert 0.8 * expected < full["cpu-slow"] / full["cpu-fast"] < 2.5 * expected, full
+    assert leftovers() == before

@@ -34,3 +34,35 @@ def test_calibration_preserves_ratios_and_matches_the_whole() -> None:
     nodes = [Node.model_construct(name=f"n{i}", measured_s=s) for i, s in enumerate([1.0, 3.0, None])]
     out = calibrate_to_model(nodes, 8.0)
     assert [n.measured_s for n in out] == [2.0, 6.0, None]
+
+
+def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
+    """A kind whose whole model was timed on the device (runtime.model_timing) is charged
+    that factor for every op; kinds not timed keep the matmul-rate ratio."""
+    from pathlib import Path
+
+    from cost_models.cluster import load_cluster
+    from cost_models.compute import compute_cost, launches
+    from planner import baselines
+    from planner.problem import Problem
+
+    _, timed = measured
+    cluster = load_cluster(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml")
+    scaled = timed.model_copy(update={"device_scales": {"cpu-slow": 7.0}})
+    problem = Problem(scaled, cluster, baselines.even(cluster))
+    by_rate = timed.reference_flops / cluster.device_kinds["cpu-fast"].throughput_flops
+    assert problem.reference.scales(problem.kinds) == pytest.approx([by_rate, by_rate, 7.0, 7.0])
+    op = next(n for n in scaled.calls if n.target not in FREE_OPS)
+    cost = compute_cost(op, problem.in_metas(op), False, problem.kinds, problem.reference)
+    work = [a - launches(op) * k.kernel_launch_us * 1e-6 for a, k in zip(cost.a, problem.kinds)]
+    assert work == pytest.approx([op.measured_s * s for s in (by_rate, by_rate, 7.0, 7.0)])
+
+
+def test_full_batch_seconds_per_kind() -> None:
+    from runtime.model_timing import full_batch_seconds
+
+    records = [{"kind": "fast", "rows": 10, "batch": 40, "seconds": 1.0},
+               {"kind": "fast", "rows": 20, "batch": 40, "seconds": 3.0},
+               {"kind": "slow", "rows": 10, "batch": 40, "seconds": 2.0},
+               {"kind": "slow", "rows": 0, "batch": 40, "seconds": 0.0}]
+    assert full_batch_seconds(records) == {"fast": pytest.approx(5.0), "slow": pytest.approx(8.0)}
