@@ -80,36 +80,46 @@ def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,
                      cluster: ClusterSpec | None = None) -> ReferenceGraph:
     """capture_model(ref) with the model's ops and optimizer step timed on this machine, on
     its own initialisation and first batch (planner.op_profile; `hetsynth plan --measure-ops`).
-    With a `cluster` that is emulated here, the whole model is also timed on its devices
+    With a `cluster` that is emulated here, the model is also timed on its devices
     (runtime.model_timing) and the graph records each device kind's factor."""
     from hetsynth.models import parse_model_ref
 
     spec = parse_model_ref(ref)
     graph = capture_model(spec.ref, allow_replicate_fallback=allow_replicate_fallback)
-    graph = _measured(graph, spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1))
+    module, batch = spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1)
+    graph = _measured(graph, module, batch)
     if cluster is not None and cluster.emulation is not None:
-        graph = with_device_scales(graph, spec.ref, cluster)
+        graph = with_device_scales(graph, spec.ref, cluster, module, batch)
     return graph
 
 
-def with_device_scales(graph: ReferenceGraph, ref: str, cluster: ClusterSpec) -> ReferenceGraph:
+def with_device_scales(graph: ReferenceGraph, ref: str, cluster: ClusterSpec, module: nn.Module,
+                       batch: Sequence[torch.Tensor]) -> ReferenceGraph:
     """The timed graph with device_scales from timing `ref` on the emulated devices of
-    `cluster` (unchanged, with a note, where this machine cannot emulate)."""
+    `cluster` against this machine on the same rows of `batch` (unchanged, with a note,
+    where this machine cannot emulate)."""
+    from planner.op_profile import model_seconds
     from runtime import emulation
-    from runtime.model_timing import time_on_cluster
+    from runtime.model_timing import device_scales, time_on_cluster
 
     reason = emulation.unavailable()
     if reason is not None:
         print(f"note: not timing {ref} on the emulated devices ({reason}); device speeds from their "
               f"matmul rates", flush=True)
         return graph
-    whole = sum(n.measured_s or 0.0 for n in graph.nodes)
-    full = time_on_cluster(ref, cluster)
-    scales = {kind: seconds / whole for kind, seconds in full.items()}
+    records = time_on_cluster(ref, cluster)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = {rows: model_seconds(module, [t[:rows] for t in batch], 1.0)
+                     for rows in sorted({r["rows"] for r in records if r["rows"] > 0})}
+    finally:
+        torch.set_num_threads(threads)
+    scales = device_scales(records, reference)
     print(f"timed {ref} on the emulated devices: " + ", ".join(
-        f"{kind} {full[kind]:.2f} s per batch ({scales[kind]:.2f}x this machine, "
-        f"{graph.reference_flops / cluster.device_kinds[kind].throughput_flops:.2f}x by matmul rate)"
-        for kind in sorted(full)), flush=True)
+        f"{kind} {scales[kind]:.2f}x this machine on the same rows "
+        f"({graph.reference_flops / cluster.device_kinds[kind].throughput_flops:.2f}x by matmul rate)"
+        for kind in sorted(scales)), flush=True)
     return graph.model_copy(update={"device_scales": scales})
 
 

@@ -142,6 +142,7 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=1.0, help="time spent on each compute measurement")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each collective measurement")
     p.add_argument("--max-bytes", type=int, default=16 * 2**20, help="largest message measured")
+    p.add_argument("--records", help="also write every collective measurement (JSON) to this file")
 
 
 def profile_run(args: argparse.Namespace) -> int:
@@ -154,7 +155,8 @@ def profile_run(args: argparse.Namespace) -> int:
     output = os.path.abspath(args.output)
     rc, failure = launch(cluster, ["-m", "runtime.profile_worker", "--cluster", os.path.abspath(args.cluster),
                                    "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
-                                   "--max-bytes", str(args.max_bytes)])
+                                   "--max-bytes", str(args.max_bytes),
+                                   *(["--records", os.path.abspath(args.records)] if args.records else [])])
     if rc != 0:
         raise RuntimeError(f"profiling failed: {failure.rank if failure else '?'} ({failure.why if failure else rc})")
     measured = load_cluster(output)

@@ -7,7 +7,8 @@ Steps:
      it; `--profile` measures again), emulated on this machine (network namespaces, shaped
      links, CPU quotas; runtime.emulation) when root, else plain local processes;
   2. capture the model (its graph summary: op counts, parameters, FLOPs), time its ops here
-     (planner.op_profile), synthesize the plan and the DP-EV baseline (even batch split);
+     (planner.op_profile) and the whole model on each emulated device kind
+     (runtime.model_timing), synthesize the plan and the DP-EV baseline (even batch split);
   3. train both on the same workers, interleaved (runtime.compare), and print the median step
      times, the speed-up and the prediction;
   4. train the single-device model as many steps and compare every step's global loss.
@@ -55,7 +56,7 @@ def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
 
     start = time.perf_counter()
     graph = capture_measured(model, cluster=cluster)
-    print(f"captured {model} and timed its ops on this machine in {time.perf_counter() - start:.1f} s\n")
+    print(f"captured {model} and timed it in {time.perf_counter() - start:.1f} s\n")
     print(graph_summary_text(summarize(graph)) + "\n")
     return {"hetsynth": make_plan(graph, cluster, progress=True),
             "DP-EV": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,

@@ -3,19 +3,21 @@
 Op timings taken on this machine (planner.op_profile) scaled by the devices' matmul rates do
 not predict an emulated device well: under a CPU quota a device loses its caches to the
 other workers every period, and how much that costs depends on the model and the quota
-(VGG's convolutions on a quarter CPU run 1.5x slower than a quarter of this machine's matmul
-rate says; the same quota costs GPT about 1.1x). HAP profiles its ops on every device type;
-this does the same for the whole model: every device trains its rows of the batch, split in
-proportion to the profiled throughputs, forward and backward, all devices at once (so that
-they contend as in training), and each device kind's time is extrapolated to the whole
-batch:
+(on a quarter CPU, VGG runs 5.8x slower than on this machine alone, where the matmul rates
+say 4.6x; GPT and BERT within 3% of what the rates say). HAP profiles its ops on every device
+type; this does the same for the whole model: every device trains its rows of the batch,
+split in proportion to the profiled throughputs, forward and backward, all devices at once
+(so that they contend as in training); this machine then trains the same rows alone, and each
+device kind's factor is
 
-    full_k = mean over devices i of kind k of  seconds_i * batch / rows_i
+    scale_k = mean over devices i of kind k of  seconds_i / reference_seconds(rows_i)
 
-`time_on_cluster` launches it (runtime.launch: emulated when the spec asks and root allows)
-and returns full_k per kind; hetsynth.capture_measured turns that into the graph's
-device_scales (full_k / this machine's time for the whole model), which then replace the
-matmul-rate ratio for every op of the model on devices of that kind (cost_models.compute).
+The same rows on both sides, so fixed per-step costs (Python, small-batch inefficiency) are
+not extrapolated: a factor measured on a few rows is still a slowdown, not a per-row cost.
+`time_on_cluster` launches the devices' part (runtime.launch: emulated when the spec asks and
+root allows); hetsynth.capture_measured times the reference rows and stores the factors as the
+graph's device_scales, which then replace the matmul-rate ratio for every op of the model on
+devices of that kind (cost_models.compute).
 
     python -m runtime.model_timing --model REF --cluster SPEC --output JSON   (under torchrun)
 """
@@ -37,9 +39,10 @@ from instruction_set.shards import largest_remainder
 from runtime.rank import run_rank
 
 
-def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> dict[str, float]:
-    """Seconds of the model's forward and backward on its whole batch, per device kind of
-    `cluster`, measured on the devices (see the module docstring)."""
+def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> list[dict]:
+    """Per device of `cluster`: {name, kind, rows, batch, seconds}, the sustained seconds of
+    the model's forward and backward on its rows, measured on the device with all devices
+    busy (see the module docstring)."""
     from runtime.launch import launch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,17 +53,16 @@ def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> dic
         if rc != 0:
             raise RuntimeError(f"timing {ref} on the devices of {cluster.name!r} failed: "
                                f"{failure.rank if failure else '?'} ({failure.why if failure else f'exit status {rc}'})")
-        records = json.loads(out.read_text())["devices"]
-    return full_batch_seconds(records)
+        return json.loads(out.read_text())["devices"]
 
 
-def full_batch_seconds(records: list[dict]) -> dict[str, float]:
-    """Per kind: the mean over its devices of seconds * batch / rows (devices without rows
-    tell nothing)."""
+def device_scales(records: list[dict], reference_s: dict[int, float]) -> dict[str, float]:
+    """Per kind: the mean over its devices of seconds / reference_s[rows] (devices without
+    rows tell nothing)."""
     by_kind: dict[str, list[float]] = {}
     for r in records:
         if r["rows"] > 0:
-            by_kind.setdefault(r["kind"], []).append(r["seconds"] * r["batch"] / r["rows"])
+            by_kind.setdefault(r["kind"], []).append(r["seconds"] / reference_s[r["rows"]])
     return {kind: statistics.mean(values) for kind, values in by_kind.items()}
 
 

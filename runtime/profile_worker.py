@@ -8,6 +8,7 @@ node's ranks and on the cross-node groups of one rank per node, all groups at on
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=1.0, help="time per compute measurement")
     p.add_argument("--reps", type=int, default=3, help="repetitions per collective measurement")
     p.add_argument("--max-bytes", type=int, default=16 * 2**20)
+    p.add_argument("--records", help="write the collective measurements here (JSON, by link class)")
     args = p.parse_args(argv)
     return run_rank(lambda rank, device: profile(rank, device, args), timeout_s=600)
 
@@ -51,6 +53,9 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
     dist.gather_object(compute, gathered, dst=0)
     if rank == 0:
         spec = measured_spec(cluster, gathered, records)
+        if args.records:
+            with open(args.records, "w") as f:
+                json.dump(records, f)
         with open(args.output, "w") as f:
             f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
         for d, c in zip(cluster.devices, gathered):

@@ -4,6 +4,7 @@ the reason where this machine cannot emulate (not root, no cgroup v1 cpu control
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -162,14 +163,16 @@ def test_sigterm_removes_the_emulation() -> None:
 
 @needs_root
 def test_model_timed_on_the_emulated_devices() -> None:
-    """runtime.model_timing: every device kind is timed on its own emulated devices; the slow
-    kind (a quarter CPU) takes at least about the quota ratio longer than the fast one (half
-    a CPU); nothing is left behind."""
+    """runtime.model_timing: every device times its rows (throughput-proportional, adding up
+    to the batch); per row the slow kind (a quarter CPU) takes at least about the quota ratio
+    longer than the fast one (half a CPU); nothing is left behind."""
     from runtime.model_timing import time_on_cluster
 
     before = leftovers()
-    full = time_on_cluster("gpt:tiny,batch_size=96", SPEC, seconds=0.2)
-    assert set(full) == set(SPEC.device_kinds)
+    records = time_on_cluster("gpt:tiny,batch_size=96", SPEC, seconds=0.2)
+    assert [r["name"] for r in records] == [d.name for d in SPEC.devices]
+    assert sum(r["rows"] for r in records) == 96 and all(r["seconds"] > 0 for r in records)
+    per_row = {k: statistics.mean(r["seconds"] / r["rows"] for r in records if r["kind"] == k) for k in SPEC.device_kinds}
     expected = SPEC.emulation.cpu_quota["cpu-fast"] / SPEC.emulation.cpu_quota["cpu-slow"]
-    assert 0.8 * expected < full["cpu-slow"] / full["cpu-fast"] < 2.5 * expected, full
+    assert 0.8 * expected < per_row["cpu-slow"] / per_row["cpu-fast"] < 2.5 * expected, records
     assert leftovers() == before

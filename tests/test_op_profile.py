@@ -58,11 +58,10 @@ def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
     assert work == pytest.approx([op.measured_s * s for s in (by_rate, by_rate, 7.0, 7.0)])
 
 
-def test_full_batch_seconds_per_kind() -> None:
-    from runtime.model_timing import full_batch_seconds
+def test_device_scales_compare_equal_rows() -> None:
+    from runtime.model_timing import device_scales
 
-    records = [{"kind": "fast", "rows": 10, "batch": 40, "seconds": 1.0},
-               {"kind": "fast", "rows": 20, "batch": 40, "seconds": 3.0},
-               {"kind": "slow", "rows": 10, "batch": 40, "seconds": 2.0},
-               {"kind": "slow", "rows": 0, "batch": 40, "seconds": 0.0}]
-    assert full_batch_seconds(records) == {"fast": pytest.approx(5.0), "slow": pytest.approx(8.0)}
+    records = [{"kind": "fast", "rows": 10, "seconds": 1.0}, {"kind": "fast", "rows": 20, "seconds": 3.0},
+               {"kind": "slow", "rows": 10, "seconds": 2.0}, {"kind": "slow", "rows": 0, "seconds": 0.0}]
+    reference = {10: 0.5, 20: 1.0}
+    assert device_scales(records, reference) == {"fast": pytest.approx(2.5), "slow": pytest.approx(4.0)}
