@@ -54,14 +54,12 @@ def environment(name: str, workdir: Path) -> Path:
 
 def measure(spec_path: Path, sizes: list[int], reps: int, workdir: Path) -> list[dict]:
     from cost_models.cluster import load_cluster
-    from runtime.launch import launch
+    from runtime.launch import launch_checked
 
     out = workdir / "records.json"
-    rc, failure = launch(load_cluster(spec_path), [str(ROOT / "bench" / "collectives_worker.py"), "--sizes",
-                                                   *map(str, sizes), "--skews", *map(str, SKEWS),
-                                                   "--reps", str(reps), "--out", str(out)])
-    if rc != 0:
-        raise RuntimeError(f"measurement failed: {failure}")
+    launch_checked(load_cluster(spec_path), [str(ROOT / "bench" / "collectives_worker.py"), "--sizes",
+                                             *map(str, sizes), "--skews", *map(str, SKEWS),
+                                             "--reps", str(reps), "--out", str(out)], "measurement")
     return json.loads(out.read_text())
 
 

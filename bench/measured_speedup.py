@@ -65,15 +65,14 @@ def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, f
 
 def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
     from cost_models.cluster import load_cluster
-    from runtime.launch import launch
+    from runtime.launch import launch_checked
 
     report = workdir / "compare.json"
     names = list(made)
-    rc, failure = launch(load_cluster(cluster_path),
-                         ["-m", "runtime.compare", "--plans", *[made[n][0] for n in names], "--names", *names,
-                          "--warmup", "2", "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)])
-    if rc != 0:
-        raise RuntimeError(f"measurement failed: {failure}")
+    launch_checked(load_cluster(cluster_path),
+                   ["-m", "runtime.compare", "--plans", *[made[n][0] for n in names], "--names", *names,
+                    "--warmup", "2", "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)],
+                   "measurement")
     return json.loads(report.read_text())
 
 

@@ -159,10 +159,10 @@ class CommModel:
             return None
         name = "all_reduce.ring" if (kind, variant) == ("all_reduce", "hierarchical") else f"{kind}.{variant}"
         if axis == "outer":
-            fit = cal.lookup(name, "outer") or cal.lookup(name, "inter")
-            if fit is not None and cal.lookup(name, "outer") is None:
-                fit = AlphaBeta(latency_us=fit.latency_us, bandwidth_gbps=fit.bandwidth_gbps / self.mesh.per_node)
-            return fit
+            own, shared = cal.lookup(name, "outer"), cal.lookup(name, "inter")
+            if own is None and shared is not None:
+                return AlphaBeta(latency_us=shared.latency_us, bandwidth_gbps=shared.bandwidth_gbps / self.mesh.per_node)
+            return own
         return cal.lookup(name, self.link_class(axis))
 
     def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all") -> LinearCost:

@@ -98,7 +98,7 @@ def with_device_scales(graph: ReferenceGraph, ref: str, cluster: ClusterSpec, mo
     """The timed graph with device_scales from timing `ref` on the emulated devices of
     `cluster` against this machine on the same rows of `batch` (unchanged, with a note,
     where this machine cannot emulate)."""
-    from planner.op_profile import model_seconds
+    from planner.op_profile import model_seconds, one_thread
     from runtime import emulation
     from runtime.model_timing import device_scales, time_on_cluster
 
@@ -108,13 +108,9 @@ def with_device_scales(graph: ReferenceGraph, ref: str, cluster: ClusterSpec, mo
               f"matmul rates", flush=True)
         return graph
     records = time_on_cluster(ref, cluster)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         reference = {rows: model_seconds(module, [t[:rows] for t in batch], 1.0)
                      for rows in sorted({r["rows"] for r in records if r["rows"] > 0})}
-    finally:
-        torch.set_num_threads(threads)
     scales = device_scales(records, reference)
     print(f"timed {ref} on the emulated devices: " + ", ".join(
         f"{kind} {scales[kind]:.2f}x this machine on the same rows "

@@ -149,16 +149,15 @@ def profile_run(args: argparse.Namespace) -> int:
     import os
 
     from cost_models.cluster import load_cluster
-    from runtime.launch import launch
+    from runtime.launch import launch_checked
 
     cluster = load_cluster(args.cluster)
     output = os.path.abspath(args.output)
-    rc, failure = launch(cluster, ["-m", "runtime.profile_worker", "--cluster", os.path.abspath(args.cluster),
-                                   "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
-                                   "--max-bytes", str(args.max_bytes),
-                                   *(["--records", os.path.abspath(args.records)] if args.records else [])])
-    if rc != 0:
-        raise RuntimeError(f"profiling failed: {failure.rank if failure else '?'} ({failure.why if failure else rc})")
+    launch_checked(cluster, ["-m", "runtime.profile_worker", "--cluster", os.path.abspath(args.cluster),
+                             "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
+                             "--max-bytes", str(args.max_bytes),
+                             *(["--records", os.path.abspath(args.records)] if args.records else [])],
+                   "profiling")
     measured = load_cluster(output)
     for name, per_class in (measured.calibration.collectives if measured.calibration else {}).items():
         line = ", ".join(f"{c}: {ab.latency_us:.0f} us, {ab.bandwidth_gbps:.3f} Gbit/s" for c, ab in per_class.items())

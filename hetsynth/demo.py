@@ -64,19 +64,16 @@ def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
 
 
 def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace) -> dict:
-    from runtime.launch import launch
+    from runtime.launch import launch_checked
 
     paths = []
     for name, plan in plans.items():
         paths.append(str(workdir / f"{name}.json"))
         save_plan(plan, paths[-1])
     report = workdir / "compare.json"
-    rc, failure = launch(cluster, ["-m", "runtime.compare", "--plans", *paths, "--names", *plans,
-                                   "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                                   "--steps", "2", "--report", str(report)])
-    if rc != 0:
-        raise RuntimeError(f"the demo run failed: {failure.rank if failure else '?'} "
-                           f"({failure.why if failure else f'exit status {rc}'})")
+    launch_checked(cluster, ["-m", "runtime.compare", "--plans", *paths, "--names", *plans,
+                             "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+                             "--steps", "2", "--report", str(report)], "the demo run")
     return json.loads(report.read_text())
 
 

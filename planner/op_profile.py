@@ -15,9 +15,10 @@ when the planned devices are this machine's CPUs (the emulated cluster) or have 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -61,9 +62,7 @@ def steady_seconds(fn: Any, seconds: float, repeats: int = 3) -> float:
 def measure_ops(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.Tensor], *,
                 seconds: float = 0.05) -> ReferenceGraph:
     """The graph with measured_s on every op with work and this machine's reference_flops."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         env: dict[str, Any] = {k: v.detach() for k, v in graph_inputs(graph, module, tuple(inputs)).items()}
         with torch.no_grad():
             for node in graph.calls:
@@ -81,10 +80,19 @@ def measure_ops(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch
         nodes = calibrate_to_model(nodes, model_seconds(module, inputs, 4 * seconds))
         reference = matmul_throughput(torch.device("cpu"), 0.3)
         update = measure_update([p for p in module.parameters() if p.requires_grad], seconds=4 * seconds)
-    finally:
-        torch.set_num_threads(threads)
     return graph.model_copy(update={"nodes": tuple(nodes), "reference_flops": reference,
                                      "update_s": update})
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside the block (as every emulated device runs), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def model_seconds(module: nn.Module, inputs: Sequence[torch.Tensor], seconds: float) -> float:

@@ -135,6 +135,14 @@ def launch(cluster: ClusterSpec, module_args: list[str]) -> tuple[int, Failure |
         _kill_session(proc)
 
 
+def launch_checked(cluster: ClusterSpec, module_args: list[str], what: str) -> None:
+    """launch(), raising `<what> failed: rank N (why)` when a rank fails."""
+    rc, failure = launch(cluster, module_args)
+    if rc != 0:
+        who = f"rank {failure.rank} ({failure.why})" if failure else f"exit status {rc}"
+        raise RuntimeError(f"{what} failed: {who}")
+
+
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

@@ -43,16 +43,14 @@ def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> lis
     """Per device of `cluster`: {name, kind, rows, batch, seconds}, the sustained seconds of
     the model's forward and backward on its rows, measured on the device with all devices
     busy (see the module docstring)."""
-    from runtime.launch import launch
+    from runtime.launch import launch_checked
 
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out = Path(tmp) / "cluster.toml", Path(tmp) / "timing.json"
         spec_path.write_text(dump_cluster_toml(cluster))
-        rc, failure = launch(cluster, ["-m", "runtime.model_timing", "--model", ref, "--cluster", str(spec_path),
-                                       "--output", str(out), "--seconds", str(seconds)])
-        if rc != 0:
-            raise RuntimeError(f"timing {ref} on the devices of {cluster.name!r} failed: "
-                               f"{failure.rank if failure else '?'} ({failure.why if failure else f'exit status {rc}'})")
+        launch_checked(cluster, ["-m", "runtime.model_timing", "--model", ref, "--cluster", str(spec_path),
+                                 "--output", str(out), "--seconds", str(seconds)],
+                       f"timing {ref} on the devices of {cluster.name!r}")
         return json.loads(out.read_text())["devices"]
 
 
@@ -68,8 +66,9 @@ def device_scales(records: list[dict], reference_s: dict[int, float]) -> dict[st
 
 def device_rows(cluster: ClusterSpec, batch: int) -> list[int]:
     """Rows per device in proportion to the profiled throughputs (DP-CP's split)."""
-    rates = cluster.throughputs_flops()
-    return largest_remainder([r / sum(rates) for r in rates], batch)
+    from planner.baselines import proportional
+
+    return largest_remainder(proportional(cluster), batch)
 
 
 def time_rows(rank: int, args: argparse.Namespace) -> None:

@@ -204,7 +204,7 @@ def _coefficients(kind: str, variant: str, r: dict, alpha: float, beta_inv: floa
     return max(a + b * s for s in r["shares"])
 
 
-def calibration(records: dict[str, list[dict]], cluster: ClusterSpec) -> Calibration:
+def calibration(records: dict[str, list[dict]]) -> Calibration:
     collectives: dict[str, dict[str, AlphaBeta]] = {}
     for link_class, rows in records.items():
         for case, ab in fit(rows, link_class).items():
@@ -220,4 +220,4 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
         kinds[kind] = spec.model_copy(update={
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
             "kernel_launch_us": mean("kernel_launch_us"), "measured": True})
-    return cluster.model_copy(update={"device_kinds": kinds, "calibration": calibration(records, cluster)})
+    return cluster.model_copy(update={"device_kinds": kinds, "calibration": calibration(records)})
