@@ -44,7 +44,7 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
     compute = measure_compute(device, args.seconds)
     # up to 16 MiB by default (gradient buckets, big activations): below a few MiB a shaped
     # link passes its burst at line rate, and a fit on small messages alone promises too much
-    sizes = [s for s in (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20) if s <= args.max_bytes]
+    sizes = [s for s in (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20) if s <= args.max_bytes]
     records = {("inter" if len(cluster.nodes) > 1 else "intra"): measure_collectives(groups, "all", sizes, device, args.reps)}
     if mesh.two_level:
         records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
