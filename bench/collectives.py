@@ -70,7 +70,7 @@ def predict(spec_path: Path, record: dict) -> float:
     model = CommModel(load_cluster(spec_path), two_level=False)
     kind, variant = record["case"].split(".")
     shares = record["shares"]
-    return model.cost(kind, variant, record["bytes"]).at(shares)
+    return model.cost(kind, variant, record["bytes"], at=shares).at(shares)
 
 
 def analyse(env: str, spec_path: Path, records: list[dict]) -> tuple[list[list], dict]:

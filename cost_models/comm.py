@@ -16,12 +16,16 @@ of the (per group) tensor and s_i device i's share of the split dim within its g
   all_gather / reduce_scatter
     padded   (g-1) * (alpha + max_i s_i * D / beta)   pad to the largest shard, one ring
     ring     point-to-point ring, exact sizes, g-1 steps, in every step each member sends
-             the shard it received last, so every shard is in flight in every step:
+             the shard it received last (the reduce-scatter runs the ring the other way round,
+             the all-gather's adjoint, so both cross the same boundaries):
              on equal links (one node, or the inner / outer axis) each step waits for the
              largest shard:  (g-1) * (alpha + max_i s_i * D / beta);
-             across nodes the few slow cross-node links dominate, each carrying every shard
-             but its receiver's own:  (g-1) * alpha + (1 - min_i s_i) * D / beta_nic
-             (a lower bound when one big shard crosses two slow links)
+             across nodes the slow links over the C node boundaries of the ring dominate.
+             Shard i crosses every boundary but the one just before member i, one step at a
+             time; the link over a boundary carries every shard but that of the member just
+             after it (a node's first member f):
+               (g-1) * alpha + max( max_f (1 - s_f) D, max_f (C-1) s_f D,
+                                    max_{i not first} C s_i D ) / beta_nic
     grouped  g * alpha + D / beta                      one (pipelined) broadcast / reduce per
              root, no padding (Thakur et al., IJHPCA 2005; uneven: HAP, EuroSys'24)
   all_reduce
@@ -30,19 +34,25 @@ of the (per group) tensor and s_i device i's share of the split dim within its g
              concurrent all-reduces of D/t across nodes sharing each NIC, all-gather inside:
              2 (t-1) alpha_i + 2 (N-1) alpha_e + 2 (t-1)/t D / beta_i + 2 (N-1)/N D / beta_e
              (BlueConnect, Cho et al., SysML 2019)
-  all_to_all   (g-1) alpha + max_i s_i * D / beta      a device sends at most its own shard
+  all_to_all S(a) -> S(b), same shares: member i keeps s_i^2 D and sends s_i (1 - s_i) D
+             (receives as much); on equal links (g-1) alpha + max_i s_i (1 - s_i) D / beta;
+             across nodes a node n with share S_n sends S_n (1 - S_n) D over its NIC:
+             (g-1) alpha + max_n S_n (1 - S_n) D / beta_nic
   slice (R -> S), partial (R -> P): local, free.
 
 Each is a LinearCost in the shares (cost_models.linear_cost) with one entry per device of the
-cluster. The backward of a collective is its adjoint (all_gather <-> reduce_scatter,
-all_reduce <-> all_reduce, all_to_all <-> all_to_all, slice <-> zero-padding), charged with
-the same variant.
+cluster; a form that is not affine in the shares (all_to_all's s (1 - s), the ring's per-
+member maximum) is linearised at the current shares (`at`): exact there, and for the concave
+all_to_all a tangent above it (across nodes: its value there). The backward of a collective
+is its adjoint (all_gather <-> reduce_scatter, all_reduce <-> all_reduce, all_to_all <->
+all_to_all, slice <-> zero-padding), charged with the same variant.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Sequence
 
 from cost_models.calibration import AlphaBeta
 from cost_models.cluster import ClusterSpec
@@ -74,23 +84,47 @@ LOCAL = frozenset({"slice", "partial"})
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb)
 
 
-def collective_form(kind: str, variant: str, g: int, alpha: float, d: float, *,
-                    uniform: bool) -> tuple[float, float]:
-    """(a, b) of `max_i a + b * s_i` for one collective on a group of g with latency `alpha`
-    and `d` = bytes / beta seconds (the formulas of the module docstring; `uniform`: every
-    link of the ring is alike)."""
+def collective_terms(kind: str, variant: str, g: int, alpha: float, d: float, at: Sequence[float],
+                     nodes: Sequence[int] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per device i, (a_i, b_i) of `max_i a_i + b_i * s_i` for one collective on a group of g
+    with latency `alpha` and `d` = bytes / beta seconds (the formulas of the module
+    docstring). `at`: the shares (one per device) where a form that is not affine in the
+    shares is linearised (exact there, a tangent elsewhere). `nodes`: the node of each member
+    in ring order when the ring crosses nodes (the group is then every device), None when
+    every link of the ring is alike."""
+    n = len(at)
+    const = lambda a: ((a,) * n, (0.0,) * n)
+    starts = [nodes[j - 1] != nodes[j] for j in range(n)] if nodes else []  # boundary before j
+    cuts = sum(starts)
     if kind in ("all_gather", "reduce_scatter"):
-        if variant == "padded" or (variant == "ring" and uniform):
-            return (g - 1) * alpha, (g - 1) * d
+        if variant == "padded" or (variant == "ring" and not cuts):
+            return ((g - 1) * alpha,) * n, ((g - 1) * d,) * n
         if variant == "ring":
-            return (g - 1) * alpha + d, -d
+            terms = [_ring_term(start, cuts, s) for start, s in zip(starts, at)]
+            return tuple((g - 1) * alpha + a * d for a, _ in terms), tuple(b * d for _, b in terms)
         if variant == "grouped":
-            return g * alpha + d, 0.0
+            return const(g * alpha + d)
     if kind in ("all_reduce", "all_reduce_max"):
-        return 2 * (g - 1) * alpha + 2 * (g - 1) / g * d, 0.0
+        return const(2 * (g - 1) * alpha + 2 * (g - 1) / g * d)
     if kind == "all_to_all":
-        return (g - 1) * alpha, d
+        if not cuts:  # s_i (1 - s_i) <= s0^2 + (1 - 2 s0) s_i, equal at s0
+            return tuple((g - 1) * alpha + s * s * d for s in at), tuple((1 - 2 * s) * d for s in at)
+        node_share: dict[int, float] = {}
+        for node, s in zip(nodes or (), at):
+            node_share[node] = node_share.get(node, 0.0) + s
+        return const((g - 1) * alpha + max(v * (1 - v) for v in node_share.values()) * d)
     raise ValueError(f"unknown collective {kind}.{variant}")
+
+
+def _ring_term(start: bool, cuts: int, share: float) -> tuple[float, float]:
+    """(a, b) in units of d for block i of a ring across `cuts` node boundaries: a block
+    crosses every boundary but the one just before its owner; the link over that boundary,
+    when there is one, carries every block but the owner's (the larger of the two at `share`)."""
+    if not start:
+        return 0.0, float(cuts)
+    if 1.0 - share >= (cuts - 1) * share:
+        return 1.0, -1.0
+    return 0.0, float(cuts - 1)
 
 
 @dataclass(frozen=True)
@@ -165,17 +199,26 @@ class CommModel:
             return own
         return cal.lookup(name, self.link_class(axis))
 
-    def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all") -> LinearCost:
-        """Forward cost of one collective on `nbytes` per group, along `axis`."""
+    @cached_property
+    def nodes(self) -> tuple[int, ...]:
+        """The node of every device, in rank (ring) order."""
+        return tuple(self.cluster.node_of(r) for r in range(self.n))
+
+    def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all",
+             at: Sequence[float] | None = None) -> LinearCost:
+        """Forward cost of one collective on `nbytes` per group, along `axis`, linearised at
+        the shares `at` (each device's share within its group; even when None) where the
+        form is not affine in them."""
         n, g = self.n, self.group_size(axis)
         if g == 1 or kind in LOCAL:
             return LinearCost.zero(n)
         if kind == "all_reduce" and variant == "hierarchical":
             return LinearCost.constant(self._hierarchical_allreduce(nbytes, axis), n)
         alpha, beta = self.alpha_beta(kind, variant, axis)
-        uniform = self.link_class(axis) == "intra" or axis == "outer"
-        a, b = collective_form(kind, variant, g, alpha, nbytes / beta, uniform=uniform)
-        return LinearCost((a,) * n, (b,) * n)
+        across = self.link_class(axis) == "inter" and axis == "all"
+        a, b = collective_terms(kind, variant, g, alpha, nbytes / beta, tuple(at) if at else (1.0 / g,) * n,
+                                self.nodes if across else None)
+        return LinearCost(a, b)
 
     @property
     def hierarchical(self) -> bool:
@@ -214,11 +257,11 @@ class CommModel:
         return LinearCost.constant(empty * fraction + (whole - empty) / whole_bytes * nbytes, self.n)
 
     def with_adjoint(self, kind: str, variant: str, nbytes: float, grad: bool,
-                     axis: str = "all") -> LinearCost:
+                     axis: str = "all", at: Sequence[float] | None = None) -> LinearCost:
         """Forward cost plus, when a gradient flows, the adjoint collective's cost."""
-        cost = self.cost(kind, variant, nbytes, axis)
+        cost = self.cost(kind, variant, nbytes, axis, at)
         back = ADJOINT.get(kind)
         if grad and back is not None:
             back_variant = variant if variant in VARIANTS[back] else VARIANTS[back][0]
-            cost = cost + self.cost(back, back_variant, nbytes, axis)
+            cost = cost + self.cost(back, back_variant, nbytes, axis, at)
         return cost

@@ -78,7 +78,7 @@ def _sync_term(pb: Problem, ins: Instruction) -> Term:
 
 def _collective_term(pb: Problem, ins: Instruction) -> Term:
     shares, nbytes = pb.axis_shares(ins.tensor, ins.src, ins.layout, ins.axis)
-    cost = pb.comm.with_adjoint(ins.kind, ins.variant, nbytes, pb.requires_grad(ins.tensor), ins.axis)
+    cost = pb.comm.with_adjoint(ins.kind, ins.variant, nbytes, pb.requires_grad(ins.tensor), ins.axis, shares)
     kind = {"all": lp_kind([ins.src, ins.layout]), "inner": "fixed", "outer": "node"}[ins.axis]
     return Term(cost, shares, kind, False)
 
@@ -92,7 +92,8 @@ def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -
     if ins.kind == "sfb":
         x = pb.graph.node(ins.node).inputs[0]
         layout = x_layouts[ins.node]
-        return Term(sfb_cost(pb, ins.tensor, ins.node, ins.variant), pb.shares(x, layout), "flat", False)
+        shares = pb.shares(x, layout)
+        return Term(sfb_cost(pb, ins.tensor, ins.node, ins.variant, shares), shares, "flat", False)
     if ins.kind == "all_reduce" and ins.phase == "backward":
         return _sync_term(pb, ins)
     if ins.kind in ("input", "buffer", "slice", "partial"):

@@ -262,7 +262,7 @@ class Problem:
             shares, nbytes = self.axis_shares(tensor, src, dst, axis)
             grad = self.requires_grad(tensor)
             allowed = self.restrictions.variants.get(kind, VARIANTS[kind])
-            options = [(v, self.comm.with_adjoint(kind, v, nbytes, grad, axis).at(shares)) for v in allowed]
+            options = [(v, self.comm.with_adjoint(kind, v, nbytes, grad, axis, shares).at(shares)) for v in allowed]
             options = [o for o in options if math.isfinite(o[1])] or options  # drop inapplicable variants
             variant, cost = min(options, key=lambda o: o[1])
             memo[key] = Step(kind, variant, src, dst, cost, tuple(options) if len(options) > 1 else (), axis)

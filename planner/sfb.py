@@ -15,18 +15,21 @@ slow devices pay the full rebuild too, which the per-device cost charges.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from cost_models.compute import flops_cost
 from cost_models.linear_cost import LinearCost
 from planner.problem import Problem
 
 
-def sfb_cost(pb: Problem, weight: str, linear: str, variant: str) -> LinearCost:
-    """LinearCost (in the shares of the linear's input x) of SFB for `weight` used by `linear`."""
+def sfb_cost(pb: Problem, weight: str, linear: str, variant: str, shares: Sequence[float]) -> LinearCost:
+    """LinearCost (in the shares of the linear's input x, linearised at `shares`) of SFB for
+    `weight` used by `linear`."""
     x = pb.graph.node(linear).inputs[0]
     out_f, in_f = pb.meta(weight).shape
     tokens = pb.meta(x).numel // in_f
-    gather = (pb.comm.cost("all_gather", variant, pb.meta(x).nbytes)
-              + pb.comm.cost("all_gather", variant, pb.meta(linear).nbytes))
+    gather = (pb.comm.cost("all_gather", variant, pb.meta(x).nbytes, at=shares)
+              + pb.comm.cost("all_gather", variant, pb.meta(linear).nbytes, at=shares))
     flops = 2.0 * tokens * in_f * out_f
     rebuild = flops_cost(flops, pb.kinds, sharded=False) + flops_cost(flops, pb.kinds, sharded=True).scaled(-1.0)
     return gather + rebuild

@@ -192,7 +192,7 @@ def _sfb_cost(pb: Problem, param: str, consumer: Node, rule: Rule) -> tuple[floa
         return None
     shares = pb.shares(consumer.inputs[0], rule.inputs[0])
     variants = pb.restrictions.variants.get("all_gather", VARIANTS["all_gather"])
-    return min((sfb_cost(pb, param, consumer.name, v).at(shares), v) for v in variants)
+    return min((sfb_cost(pb, param, consumer.name, v, shares).at(shares), v) for v in variants)
 
 
 def _store(pb: Problem, tensor: str, want: Layout, consumer: Node, rule: Rule) -> list[_Option]:

@@ -8,10 +8,11 @@ inside its quotas and shaped links, or on a real one (NCCL on GPUs):
   op (per-op launch overhead, what eager execution of a captured graph pays per op);
 - communication: every collective variant of the runtime, on all ranks (link class "inter"
   when the cluster has several nodes), on each node's ranks ("intra") and on the cross-node
-  groups ("outer"), for messages of 64 KiB to 16 MiB and shards from even to skewed, the
-  variants of one size and skew back to back; then for each (variant, link class) the
-  alpha and beta of the cost model's own formula (cost_models.comm) fitted by least squares
-  on relative error:   t = k_alpha * alpha + k_bytes(shares, D) / beta,
+  groups ("outer"), for messages of 64 KiB to 16 MiB (64 MiB with `--max-bytes`) and shards
+  from even to skewed, the variants of one size and skew back to back; then for each
+  (variant, link class) the alpha and beta of the cost model's own formula (cost_models.comm,
+  with the nodes of the ranks for "inter") fitted by least squares on relative error:
+      t = k_alpha * alpha + k_bytes(shares, D) / beta,
   the errors of messages beyond 1 MiB weighted up (fit_weight: a shaped link's burst makes
   small messages look faster than the sustained bandwidth).
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from cost_models.calibration import AlphaBeta, Calibration
 from cost_models.cluster import ClusterSpec
-from cost_models.comm import collective_form
+from cost_models.comm import collective_terms
 from cost_models.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
 from instruction_set.shards import largest_remainder
 from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
@@ -148,9 +149,10 @@ def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device:
     return out
 
 
-def fit(records: Sequence[dict], link_class: str) -> dict[str, AlphaBeta]:
-    """Least-squares alpha and beta per case from the cost model's formulas."""
-    uniform = link_class in ("intra", "outer")
+def fit(records: Sequence[dict], link_class: str, nodes: Sequence[int] | None = None) -> dict[str, AlphaBeta]:
+    """Least-squares alpha and beta per case from the cost model's formulas; `nodes`: the
+    node of every rank, for the "inter" records (the ring over all ranks)."""
+    nodes = tuple(nodes) if link_class == "inter" and nodes else None
     fits = {}
     for case in CASES:
         rows = [r for r in records if r["case"] == case]
@@ -159,8 +161,8 @@ def fit(records: Sequence[dict], link_class: str) -> dict[str, AlphaBeta]:
         kind, variant = case.split(".")
         design, target = [], []
         for r in rows:
-            unit_alpha = _coefficients(kind, variant, r, 1.0, 0.0, uniform)
-            unit_bytes = _coefficients(kind, variant, r, 0.0, 1.0, uniform)
+            unit_alpha = _coefficients(kind, variant, r, 1.0, 0.0, nodes)
+            unit_bytes = _coefficients(kind, variant, r, 0.0, 1.0, nodes)
             w = fit_weight(r["bytes"])
             design.append([w * unit_alpha / r["seconds"], w * unit_bytes / r["seconds"]])
             target.append(w)
@@ -198,16 +200,18 @@ def nonnegative_fit(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return best[1]
 
 
-def _coefficients(kind: str, variant: str, r: dict, alpha: float, beta_inv: float, uniform: bool) -> float:
+def _coefficients(kind: str, variant: str, r: dict, alpha: float, beta_inv: float,
+                  nodes: tuple[int, ...] | None) -> float:
     """The cost model's value for one record with the given alpha (s) and 1/beta (s/byte)."""
-    a, b = collective_form(kind, variant, r["group"], alpha, r["bytes"] * beta_inv, uniform=uniform)
-    return max(a + b * s for s in r["shares"])
+    a, b = collective_terms(kind, variant, r["group"], alpha, r["bytes"] * beta_inv, r["shares"], nodes)
+    return max(x + y * s for x, y, s in zip(a, b, r["shares"]))
 
 
-def calibration(records: dict[str, list[dict]]) -> Calibration:
+def calibration(records: dict[str, list[dict]], nodes: Sequence[int] | None = None) -> Calibration:
+    """The fits of every link class's records (`nodes`: the node of every rank)."""
     collectives: dict[str, dict[str, AlphaBeta]] = {}
     for link_class, rows in records.items():
-        for case, ab in fit(rows, link_class).items():
+        for case, ab in fit(rows, link_class, nodes).items():
             collectives.setdefault(case, {})[link_class] = ab
     return Calibration(collectives=collectives, source="hetsynth profile")
 
@@ -220,4 +224,5 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
         kinds[kind] = spec.model_copy(update={
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
             "kernel_launch_us": mean("kernel_launch_us"), "measured": True})
-    return cluster.model_copy(update={"device_kinds": kinds, "calibration": calibration(records)})
+    nodes = [cluster.node_of(r) for r in range(cluster.num_devices)]
+    return cluster.model_copy(update={"device_kinds": kinds, "calibration": calibration(records, nodes)})

@@ -41,10 +41,11 @@ def gather_grouped(x: torch.Tensor, span: Span) -> torch.Tensor:
     return from_front(torch.cat(chunks), span.dim)
 
 
-def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span) -> None:
-    """Send to the next member and receive from the previous one (each wait exactly once)."""
-    nxt = span.members[(span.index + 1) % span.size]
-    prev = span.members[(span.index - 1) % span.size]
+def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int = 1) -> None:
+    """Send to the next member and receive from the previous one (each wait exactly once);
+    `direction` -1 runs the ring the other way round."""
+    nxt = span.members[(span.index + direction) % span.size]
+    prev = span.members[(span.index - direction) % span.size]
     ops = []
     if send is not None and send.numel() > 0:
         ops.append(dist.P2POp(dist.isend, send.contiguous(), nxt, group=span.group))

@@ -4,7 +4,10 @@ Every rank holds a full-size summand; member j ends with the sum of slice j.
 Variants:
   padded   pad every slice to the largest, one equal-size reduce_scatter_single, unpad
   grouped  one reduce of slice j to member j, for every j (no padding)
-  ring     g-1 point-to-point steps accumulating partial sums around the ring
+  ring     g-1 point-to-point steps accumulating partial sums around the ring, run the
+           other way round from the ring all-gather (its exact adjoint): slice j travels
+           j-1 -> j-2 -> ... -> j, the path of the all-gather's block j reversed, so it
+           crosses the same node boundaries (cost_models.comm)
 
 Backward is the adjoint, all-gather with the same variant.
 """
@@ -47,9 +50,9 @@ def scatter_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
     g, i = span.size, span.index
     acc = [c.clone() for c in front.split(list(span.lengths))]
     for step in range(g - 1):
-        send_idx, recv_idx = (i - step - 1) % g, (i - step - 2) % g
+        send_idx, recv_idx = (i + step + 1) % g, (i + step + 2) % g
         tmp = front.new_empty(span.lengths[recv_idx], *front.shape[1:])
-        ag.exchange(acc[send_idx], tmp, span)
+        ag.exchange(acc[send_idx], tmp, span, direction=-1)
         acc[recv_idx] = acc[recv_idx] + tmp
     return from_front(acc[i], span.dim)
 
