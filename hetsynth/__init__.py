@@ -42,13 +42,15 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          cluster: ClusterSpec | str | None = None, *, batch_size: int | None = None,
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
-         measure_ops: bool = False) -> Plan:
+         measure_ops: bool = False, data_parallel: bool = False) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (planner.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
-    the emulated devices, runtime.model_timing)."""
+    the emulated devices, runtime.model_timing). `data_parallel` searches only data-parallel
+    programs (the batch split, parameters replicated); the ratios, the collective variants and
+    SFB are still the cost model's choices."""
     from hetsynth.models import parse_model_ref, with_overrides
-    from planner.planner import make_plan
+    from planner.planner import DP_SEED, make_plan
 
     if cluster is None:
         raise ValueError("plan() needs a cluster (a ClusterSpec or a spec file path)")
@@ -73,7 +75,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
             if any(t.is_meta for t in example_inputs):
                 raise ValueError("measure_ops needs real example inputs (not on the meta device)")
             graph = _measured(graph, model, example_inputs)
-    return make_plan(graph, spec, ratios=ratios, progress=progress)
+    return make_plan(graph, spec, ratios=ratios, progress=progress,
+                     restrictions=DP_SEED if data_parallel else None)
 
 
 def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,

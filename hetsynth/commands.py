@@ -54,6 +54,8 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-replicate-fallback", action="store_true")
     p.add_argument("--measure-ops", action="store_true",
                    help="time the model's ops on this machine (for clusters of its CPUs, e.g. emulated)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="search data-parallel programs only (ratios, collective variants and SFB still chosen)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
 
 
@@ -73,7 +75,7 @@ def plan_run(args: argparse.Namespace) -> int:
     plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
-                         measure_ops=args.measure_ops)
+                         measure_ops=args.measure_ops, data_parallel=args.data_parallel)
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),

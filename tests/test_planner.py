@@ -162,3 +162,15 @@ def test_inapplicable_variants_stay_out_of_plans() -> None:
     linear = next(n.name for n in graph.calls if n.target == "aten.linear.default")
     step = pb.collective(linear, "all_reduce", "P|S2", "R|S2", "outer")
     assert step.variant == "ring" and all(math.isfinite(c) for _, c in step.alternatives)
+
+
+def test_data_parallel_space_picks_sfb_where_it_pays() -> None:
+    """`hetsynth plan --data-parallel`: VGG's classifier at 32 images gets SFB for its two big
+    weights (chosen by cost, not forced), the 1024 x 10 one and GPT's weights keep the
+    all-reduce; every parameter stays replicated."""
+    cluster = str(CLUSTERS / "local-emulated.toml")
+    vgg = hetsynth.plan("vgg:small-cpu", cluster=cluster, batch_size=32, data_parallel=True)
+    assert {i.tensor for i in vgg.instructions if i.kind == "sfb"} == {"p_fc1_weight", "p_fc2_weight"}
+    assert all(i.layout == "R" for i in vgg.instructions if i.kind == "param")
+    gpt = hetsynth.plan("gpt:small-cpu", cluster=cluster, data_parallel=True)
+    assert not any(i.kind == "sfb" for i in gpt.instructions)
