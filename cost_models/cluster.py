@@ -127,6 +127,10 @@ class ClusterSpec(_Frozen):
         name = self.devices[rank].name
         return next(i for i, n in enumerate(self.nodes) if name in n.devices)
 
+    def rank_nodes(self) -> tuple[int, ...]:
+        """The node index of every device, in rank order."""
+        return tuple(self.node_of(r) for r in range(self.num_devices))
+
     def throughputs_flops(self) -> list[float]:
         return [self.device_kind(r).throughput_flops for r in range(self.num_devices)]
 

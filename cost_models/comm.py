@@ -202,7 +202,7 @@ class CommModel:
     @cached_property
     def nodes(self) -> tuple[int, ...]:
         """The node of every device, in rank (ring) order."""
-        return tuple(self.cluster.node_of(r) for r in range(self.n))
+        return self.cluster.rank_nodes()
 
     def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all",
              at: Sequence[float] | None = None) -> LinearCost:

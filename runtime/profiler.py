@@ -122,8 +122,7 @@ def _input(case: str, span: Span, rows: int, cols: int, device: torch.device) ->
 
 
 def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device: torch.device,
-                        reps: int, skews: Sequence[tuple[float, float] | None] = SKEWS,
-                        cases: Sequence[str] | None = None) -> list[dict]:
+                        reps: int, skews: Sequence[tuple[float, float] | None] = SKEWS) -> list[dict]:
     """Time every case on my group along `axis` for each size and skew (the first member's
     share, the rest split evenly); every rank calls it (collective)."""
     g = len(groups.members(axis))
@@ -132,8 +131,7 @@ def measure_collectives(groups: Groups, axis: str, sizes: Sequence[int], device:
     # between them sees the same machine
     for nbytes in sizes:
         for skew in skews:
-            for case in cases or list(CASES):
-                fn = CASES[case]
+            for case, fn in CASES.items():
                 cols = 64
                 rows = max(g, nbytes // (4 * cols))
                 if case.startswith("all_to_all"):  # a square [rows, rows] tensor, S0 -> S1
@@ -224,5 +222,5 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
         kinds[kind] = spec.model_copy(update={
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
             "kernel_launch_us": mean("kernel_launch_us"), "measured": True})
-    nodes = [cluster.node_of(r) for r in range(cluster.num_devices)]
-    return cluster.model_copy(update={"device_kinds": kinds, "calibration": calibration(records, nodes)})
+    return cluster.model_copy(update={"device_kinds": kinds,
+                                      "calibration": calibration(records, cluster.rank_nodes())})
