@@ -135,6 +135,7 @@ class CommModel:
     cluster: ClusterSpec
     two_level: bool = True
     _alpha_beta: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict, repr=False)
+    _costs: dict[tuple, LinearCost] = field(default_factory=dict, repr=False)
 
     @cached_property
     def mesh(self) -> Mesh:
@@ -208,7 +209,15 @@ class CommModel:
              at: Sequence[float] | None = None) -> LinearCost:
         """Forward cost of one collective on `nbytes` per group, along `axis`, linearised at
         the shares `at` (each device's share within its group; even when None) where the
-        form is not affine in them."""
+        form is not affine in them. Memoised: the layers of a model repeat the same
+        collectives on the same shares."""
+        key = (kind, variant, nbytes, axis, tuple(at) if at else None)
+        if key not in self._costs:
+            self._costs[key] = self._cost(kind, variant, nbytes, axis, key[4])
+        return self._costs[key]
+
+    def _cost(self, kind: str, variant: str, nbytes: float, axis: str,
+              at: tuple[float, ...] | None) -> LinearCost:
         n, g = self.n, self.group_size(axis)
         if g == 1 or kind in LOCAL:
             return LinearCost.zero(n)
@@ -216,7 +225,7 @@ class CommModel:
             return LinearCost.constant(self._hierarchical_allreduce(nbytes, axis), n)
         alpha, beta = self.alpha_beta(kind, variant, axis)
         across = self.link_class(axis) == "inter" and axis == "all"
-        a, b = collective_terms(kind, variant, g, alpha, nbytes / beta, tuple(at) if at else (1.0 / g,) * n,
+        a, b = collective_terms(kind, variant, g, alpha, nbytes / beta, at or (1.0 / g,) * n,
                                 self.nodes if across else None)
         return LinearCost(a, b)
 
@@ -258,10 +267,14 @@ class CommModel:
 
     def with_adjoint(self, kind: str, variant: str, nbytes: float, grad: bool,
                      axis: str = "all", at: Sequence[float] | None = None) -> LinearCost:
-        """Forward cost plus, when a gradient flows, the adjoint collective's cost."""
-        cost = self.cost(kind, variant, nbytes, axis, at)
-        back = ADJOINT.get(kind)
-        if grad and back is not None:
+        """Forward cost plus, when a gradient flows, the adjoint collective's cost (memoised
+        with the costs)."""
+        back = ADJOINT.get(kind) if grad else None
+        if back is None:
+            return self.cost(kind, variant, nbytes, axis, at)
+        key = ("adjoint", kind, variant, nbytes, axis, tuple(at) if at else None)
+        if key not in self._costs:
             back_variant = variant if variant in VARIANTS[back] else VARIANTS[back][0]
-            cost = cost + self.cost(back, back_variant, nbytes, axis, at)
-        return cost
+            self._costs[key] = (self.cost(kind, variant, nbytes, axis, at)
+                                + self.cost(back, back_variant, nbytes, axis, at))
+        return self._costs[key]
