@@ -26,7 +26,9 @@ Specs are written in TOML (or JSON). A node lists its devices by name, or gives 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import tomllib
 from collections import Counter
@@ -42,8 +44,14 @@ class ClusterSpecError(ValueError):
     """A cluster spec that cannot be used; the message names the field and the value."""
 
 
+MAX_DEVICES = 65_536  # the largest cluster a spec may describe (see load_cluster)
+
+
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    """Strict scalars (no `true` for a count, no "16" for a number) and finite floats; lists
+    are accepted for tuples (`Field(strict=False)` on those fields)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class DeviceKind(_Frozen):
@@ -63,7 +71,7 @@ class Device(_Frozen):
 
 class Node(_Frozen):
     name: str = Field(min_length=1)
-    devices: tuple[str, ...]
+    devices: tuple[str, ...] = Field(strict=False)
     nic_bandwidth_gbps: float | None = Field(default=None, gt=0)
     intra_bandwidth_gbps: float | None = Field(default=None, gt=0)
 
@@ -100,8 +108,8 @@ class ClusterSpec(_Frozen):
     name: str = Field(min_length=1)
     description: str = ""
     device_kinds: dict[str, DeviceKind] = Field(min_length=1)
-    devices: tuple[Device, ...] = Field(min_length=1)
-    nodes: tuple[Node, ...] = Field(min_length=1)
+    devices: tuple[Device, ...] = Field(min_length=1, max_length=MAX_DEVICES, strict=False)
+    nodes: tuple[Node, ...] = Field(min_length=1, max_length=MAX_DEVICES, strict=False)
     links: Links
     emulation: Emulation | None = None
     calibration: Calibration | None = None
@@ -112,6 +120,7 @@ class ClusterSpec(_Frozen):
         _check_unique("nodes", [n.name for n in self.nodes])
         _check_kinds(self)
         _check_membership(self)
+        _check_quotas(self)
         return self
 
     # -- derived views -------------------------------------------------------------------
@@ -123,13 +132,14 @@ class ClusterSpec(_Frozen):
         return self.device_kinds[self.devices[rank].kind]
 
     def node_of(self, rank: int) -> int:
-        """Index of the node holding device `rank`."""
-        name = self.devices[rank].name
-        return next(i for i, n in enumerate(self.nodes) if name in n.devices)
+        """Index of the node holding device `rank` (devices are listed node by node)."""
+        if not 0 <= rank < self.num_devices:
+            raise IndexError(f"rank {rank} of a {self.num_devices}-device cluster")
+        return bisect.bisect_right(list(itertools.accumulate(len(n.devices) for n in self.nodes)), rank)
 
     def rank_nodes(self) -> tuple[int, ...]:
         """The node index of every device, in rank order."""
-        return tuple(self.node_of(r) for r in range(self.num_devices))
+        return tuple(j for j, node in enumerate(self.nodes) for _ in node.devices)
 
     def throughputs_flops(self) -> list[float]:
         return [self.device_kind(r).throughput_flops for r in range(self.num_devices)]
@@ -186,6 +196,22 @@ def _check_kinds(spec: ClusterSpec) -> None:
             )
 
 
+def _check_quotas(spec: ClusterSpec) -> None:
+    """An emulated cluster gives every device kind in use a CPU share, and no other kind one."""
+    if spec.emulation is None:
+        return
+    used = sorted({d.kind for d in spec.devices})
+    quota = spec.emulation.cpu_quota
+    missing = [k for k in used if k not in quota]
+    if missing:
+        raise ValueError(f"emulation.cpu_quota has no entry for device kind(s) {missing}; give each kind "
+                         f"in use a CPU share, e.g. {missing[0]} = 0.5 (kinds in use: {used})")
+    unknown = sorted(k for k in quota if k not in spec.device_kinds)
+    if unknown:
+        raise ValueError(f"emulation.cpu_quota names unknown device kind(s) {unknown}; "
+                         f"device kinds: {sorted(spec.device_kinds)}")
+
+
 def _check_membership(spec: ClusterSpec) -> None:
     known = {d.name for d in spec.devices}
     owner: dict[str, str] = {}
@@ -213,22 +239,25 @@ def _check_membership(spec: ClusterSpec) -> None:
 # -- loading --------------------------------------------------------------------------------
 
 
-def _expand_node_shorthand(raw: dict[str, Any]) -> dict[str, Any]:
+def _expand_node_shorthand(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Turn `kind` + `num_devices` on a node into explicit devices named `<node>/<i>`."""
     raw = dict(raw)
-    nodes = raw.get("nodes")
-    if not isinstance(nodes, list):
-        return raw
-    devices = list(raw.get("devices", []))
-    expanded = []
+    nodes, devices = raw.get("nodes"), raw.get("devices", [])
+    if not isinstance(nodes, list) or not isinstance(devices, list):
+        return raw  # the model's validation names the wrong type
+    devices = list(devices)
+    expanded, total = [], len(devices)
     for node in nodes:
         if isinstance(node, dict) and "num_devices" in node:
             node = dict(node)
             count, kind = node.pop("num_devices"), node.pop("kind", None)
-            if not isinstance(count, int) or count < 1:
-                raise ClusterSpecError(
-                    f"nodes[{node.get('name')!r}].num_devices = {count!r}: must be an integer >= 1"
-                )
+            where = f"invalid cluster spec {source}:\n  nodes[{node.get('name')!r}].num_devices = {count!r}"
+            if type(count) is not int or count < 1:
+                raise ClusterSpecError(f"{where}: must be an integer >= 1")
+            total += count
+            if total > MAX_DEVICES:
+                raise ClusterSpecError(f"{where}: the spec would hold at least {total:,} devices; "
+                                       f"a cluster spec may hold at most {MAX_DEVICES:,}")
             names = [f"{node.get('name')}/{i}" for i in range(count)]
             devices += [{"name": n, "kind": kind} for n in names]
             node["devices"] = list(node.get("devices", [])) + names
@@ -255,7 +284,7 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> ClusterSpe
     if not isinstance(raw, dict):
         raise ClusterSpecError(f"invalid cluster spec {source}: expected a table, got {type(raw).__name__}")
     try:
-        return ClusterSpec.model_validate(_expand_node_shorthand(raw))
+        return ClusterSpec.model_validate(_expand_node_shorthand(raw, source))
     except ValidationError as err:
         raise ClusterSpecError(_format_errors(source, err)) from None
 

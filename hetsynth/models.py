@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import typing
+import traceback
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from hetsynth.zoo import ZOO, ZooModel
@@ -62,24 +63,24 @@ class ModelSpec:
         return self._batch(sample_ids, seed)
 
 
-def _coerce(model: str, cfg_cls: type, key: str, text: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
-    if key not in fields:
-        raise ModelRefError(
-            f"model {model!r} has no option {key!r}; valid options: {', '.join(sorted(fields))}"
-        )
-    kind = typing.get_type_hints(cfg_cls)[key]
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1")
-        value = kind(text)
-    except ValueError:
-        raise ModelRefError(f"{model}: {key}={text!r} is not a valid {kind.__name__}") from None
-    if key == "dtype" and not isinstance(getattr(torch, value, None), torch.dtype):
-        raise ModelRefError(f"{model}: dtype={text!r} is not a torch dtype (float32, float64, ...)")
-    return value
+def _check_options(model: str, cfg_cls: type, overrides: dict[str, str]) -> None:
+    fields = {f.name for f in dataclasses.fields(cfg_cls)}
+    for key in overrides:
+        if key not in fields:
+            raise ModelRefError(
+                f"model {model!r} has no option {key!r}; valid options: {', '.join(sorted(fields))}"
+            )
+
+
+def _config_error(ref: str, err: ValidationError) -> ModelRefError:
+    """One line per bad field: `ref: key=value: what is valid` (hetsynth.zoo.config)."""
+    lines = []
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["loc"]:
+            msg = f"{e['loc'][0]}={e['input']}: {msg[0].lower()}{msg[1:]}"
+        lines.append(msg)
+    return ModelRefError(f"{ref}: " + "; ".join(lines))
 
 
 def _parse_overrides(text: str) -> dict[str, str]:
@@ -97,12 +98,11 @@ def _zoo_spec(ref: str, entry: ZooModel, preset: str, overrides: dict[str, str])
         raise ModelRefError(
             f"model {entry.name!r} has no preset {preset!r}; presets: {', '.join(entry.presets)}"
         )
-    values = dict(entry.presets[preset])
-    values.update({k: _coerce(entry.name, entry.config_cls, k, v) for k, v in overrides.items()})
+    _check_options(entry.name, entry.config_cls, overrides)
     try:
-        cfg = entry.config_cls(**values)
-    except (TypeError, ValueError) as err:
-        raise ModelRefError(f"{ref}: {err}") from None
+        cfg = entry.config_cls(**(dict(entry.presets[preset]) | overrides))
+    except ValidationError as err:
+        raise _config_error(ref, err) from None
     return ModelSpec(
         ref=ref, name=entry.name, config=cfg,
         _build=lambda: entry.build(cfg),
@@ -111,18 +111,67 @@ def _zoo_spec(ref: str, entry: ZooModel, preset: str, overrides: dict[str, str])
     )
 
 
+def _raised(err: BaseException, path: Path) -> str:
+    """`TypeError: message (file.py, line 12)`: an error and where in the user's file it arose."""
+    if isinstance(err, SyntaxError):
+        return f"SyntaxError: {err.msg} ({err.filename}, line {err.lineno})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def _user_call(what: str, path: Path, call: Callable[[], Any]) -> Any:
+    """Run the user's code; an exception it raises becomes a ModelRefError naming it."""
+    try:
+        return call()
+    except ModelRefError:
+        raise
+    except Exception as err:  # the user's code may raise anything
+        raise ModelRefError(f"{what} raised {_raised(err, path)}") from None
+
+
 def _load_factory(path: Path, name: str) -> Callable[..., Any]:
     if not path.is_file():
         raise ModelRefError(f"model file {str(path)!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"hetsynth_user_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    _user_call(f"importing {path}", path, lambda: spec.loader.exec_module(module))
     factory = getattr(module, name, None)
     if not callable(factory):
         found = sorted(n for n in vars(module) if callable(vars(module)[n]) and not n.startswith("_"))
         raise ModelRefError(f"{path} has no callable {name!r}; callables found: {found}")
     return factory
+
+
+def check_example_inputs(inputs: Any, source: str) -> tuple[torch.Tensor, ...]:
+    """The example inputs as a tuple of tensors, one per forward argument, all with the same
+    batch size (dim 0) >= 1; raises ModelRefError naming what is wrong."""
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, (tuple, list)):
+        hint = " (wrap a single tensor x as (x,))" if isinstance(inputs, torch.Tensor) else ""
+        raise ModelRefError(f"{source}: example_inputs must be a tuple of tensors, one per forward "
+                            f"argument; got {type(inputs).__name__}{hint}")
+    if not inputs:
+        raise ModelRefError(f"{source}: example_inputs is empty; give at least one tensor (dim 0 is the batch)")
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise ModelRefError(f"{source}: example_inputs[{i}] is a {type(t).__name__} ({str(t)[:40]!r}), "
+                                f"not a tensor; every forward argument must be a tensor")
+        if t.dim() == 0:
+            raise ModelRefError(f"{source}: example_inputs[{i}] is a 0-d tensor; every input needs a "
+                                f"batch dim 0")
+    batches = [t.shape[0] for t in inputs]
+    if len(set(batches)) > 1 or batches[0] < 1:
+        raise ModelRefError(f"{source}: example inputs need one batch size >= 1 in dim 0; shapes: "
+                            f"{[tuple(t.shape) for t in inputs]}")
+    return tuple(inputs)
+
+
+def _factory_result(ref: str, result: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        got = type(result).__name__ + (f" of {len(result)}" if isinstance(result, (tuple, list)) else "")
+        raise ModelRefError(f"{ref}: the factory must return (nn.Module, example_inputs); got {got}")
+    return result[0], check_example_inputs(result[1], ref)
 
 
 def _rows(inputs: tuple[torch.Tensor, ...], ids: Sequence[int], seed: int) -> tuple[torch.Tensor, ...]:
@@ -147,10 +196,9 @@ def _file_spec(ref: str, path: Path, factory_name: str, overrides: dict[str, str
 
     def made() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         if "v" not in cache:
-            result = factory(**overrides)
-            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-                raise ModelRefError(f"{ref}: the factory must return (nn.Module, example_inputs)")
-            cache["v"] = (result[0], tuple(result[1]))
+            call = f"{factory_name}({', '.join(f'{k}={v!r}' for k, v in overrides.items())})"
+            result = _user_call(f"{ref}: the factory {call}", path, lambda: factory(**overrides))
+            cache["v"] = _factory_result(ref, result)
         return cache["v"]
 
     def build() -> nn.Module:

@@ -43,6 +43,7 @@ def graph_summary_text(summary: dict[str, Any]) -> str:
 
 def cluster_summary(spec: ClusterSpec) -> dict[str, Any]:
     kinds = Counter(d.kind for d in spec.devices)
+    kind_of = {d.name: d.kind for d in spec.devices}
     return {
         "name": spec.name,
         "fingerprint": spec.fingerprint(),
@@ -52,7 +53,7 @@ def cluster_summary(spec: ClusterSpec) -> dict[str, Any]:
         "total_throughput_flops": sum(spec.throughputs_flops()),
         "total_memory_gib": sum(spec.memories_gib()),
         "nodes": [{"name": n.name, "devices": len(n.devices),
-                   "kind": ",".join(sorted({d.kind for d in spec.devices if d.name in n.devices})),
+                   "kind": ",".join(sorted({kind_of[d] for d in n.devices})),
                    "nic_bandwidth_gbps": n.nic_bandwidth_gbps or spec.links.inter_node_bandwidth_gbps,
                    "intra_bandwidth_gbps": n.intra_bandwidth_gbps or spec.links.intra_node_bandwidth_gbps}
                   for n in spec.nodes],
@@ -63,8 +64,8 @@ def cluster_summary(spec: ClusterSpec) -> dict[str, Any]:
 def cluster_summary_text(summary: dict[str, Any]) -> str:
     kinds = [[k, v["count"], si(v["throughput_flops"], "FLOP/s"), f"{v['memory_gib']:g} GiB",
               "measured" if v["measured"] else "nominal"] for k, v in summary["kinds"].items()]
-    nodes = [[n["name"], n["devices"], n["kind"], f"{n['intra_bandwidth_gbps']:g}",
-              f"{n['nic_bandwidth_gbps']:g}"] for n in summary["nodes"]]
+    nodes = [[name, n["devices"], n["kind"], f"{n['intra_bandwidth_gbps']:g}", f"{n['nic_bandwidth_gbps']:g}"]
+             for name, n in _node_runs(summary["nodes"])]
     links = summary["links"]
     return "\n".join([
         f"cluster      {summary['name']}  ({summary['fingerprint']})",
@@ -78,6 +79,19 @@ def cluster_summary_text(summary: dict[str, Any]) -> str:
         f"{links['intra_node_latency_us']:g} us; inter-node {links['inter_node_bandwidth_gbps']:g} "
         f"Gbit/s, {links['inter_node_latency_us']:g} us",
     ])
+
+
+def _node_runs(nodes: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Consecutive nodes alike but for their names as one row: `p100-0 .. p100-5 (6 nodes)`."""
+    runs: list[list[dict[str, Any]]] = []
+    alike = lambda a, b: {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+    for node in nodes:
+        if runs and alike(runs[-1][0], node):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    return [(run[0]["name"] if len(run) == 1 else f"{run[0]['name']} .. {run[-1]['name']} ({len(run)} nodes)",
+             run[0]) for run in runs]
 
 
 def plan_summary_text(plan: Plan) -> str:

@@ -59,8 +59,8 @@ def test_overrides_and_shared_names() -> None:
     ("gpt:huge", "presets: tiny"),
     ("gpz:tiny", "zoo models: gpt"),
     ("gpt:tiny,hiden=3", "valid options: batch_size"),
-    ("gpt:tiny,hidden=x", "not a valid int"),
-    ("gpt:tiny,dtype=float77", "not a torch dtype"),
+    ("gpt:tiny,hidden=x", "hidden=x: input should be a valid integer"),
+    ("gpt:tiny,dtype=float77", "dtype=float77: input should be 'float16', 'bfloat16', 'float32' or 'float64'"),
     ("gpt:tiny,hidden", "key=value"),
     ("missing/file.py:make", "does not exist"),
 ])

@@ -5,27 +5,29 @@ forward(tokens[B, S], targets[B, S]) -> mean next-token cross-entropy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetsynth.zoo.config import Count, FloatDType, Fraction, heads_divide_hidden, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style, seeded_generator
 
 
-@dataclass(frozen=True)
+@zoo_config
 class GPTConfig:
-    vocab_size: int = 64
-    seq_len: int = 16
-    num_layers: int = 2
-    hidden: int = 32
-    num_heads: int = 4
-    ffn_hidden: int = 128
-    batch_size: int = 8
-    dropout: float = 0.0
-    dtype: str = "float32"
+    vocab_size: Count = 64
+    seq_len: Count = 16
+    num_layers: Count = 2
+    hidden: Count = 32
+    num_heads: Count = 4
+    ffn_hidden: Count = 128
+    batch_size: Count = 8
+    dropout: Fraction = 0.0
+    dtype: FloatDType = "float32"
+
+    _heads = heads_divide_hidden
 
 
 PRESETS: dict[str, dict] = {

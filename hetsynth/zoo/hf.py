@@ -6,7 +6,6 @@ models' own random initialisation; nothing is downloaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -14,18 +13,21 @@ from torch import nn
 
 from hetsynth.zoo import bert as zoo_bert
 from hetsynth.zoo import gpt as zoo_gpt
+from hetsynth.zoo.config import Count, FloatDType, heads_divide_hidden, zoo_config
 
 
-@dataclass(frozen=True)
+@zoo_config
 class HFConfig:
-    vocab_size: int = 64
-    seq_len: int = 16
-    num_layers: int = 2
-    hidden: int = 32
-    num_heads: int = 4
-    ffn_hidden: int = 128
-    batch_size: int = 8
-    dtype: str = "float32"
+    vocab_size: Count = 64
+    seq_len: Count = 16
+    num_layers: Count = 2
+    hidden: Count = 32
+    num_heads: Count = 4
+    ffn_hidden: Count = 128
+    batch_size: Count = 8
+    dtype: FloatDType = "float32"
+
+    _heads = heads_divide_hidden
 
 
 PRESETS: dict[str, dict] = {

@@ -10,13 +10,14 @@ forward(images[B, 3, 32, 32], labels[B]) -> mean cross-entropy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
+from hetsynth.zoo.config import Count, FloatDType, zoo_config
 from hetsynth.zoo.vit import image_batch
 
 # Configuration "E" of Simonyan & Zisserman: channel multipliers of `base_channels`, M = pool.
@@ -25,16 +26,16 @@ VGG19_LAYOUT: tuple[int | str, ...] = (
 )
 
 
-@dataclass(frozen=True)
+@zoo_config
 class VGGConfig:
-    image_size: int = 32
-    channels: int = 3
-    base_channels: int = 4
-    hidden: int = 64
-    num_classes: int = 10
-    pool_size: int = 7
-    batch_size: int = 8
-    dtype: str = "float32"
+    image_size: Annotated[int, Field(ge=32, description="five 2x2 poolings")] = 32
+    channels: Count = 3
+    base_channels: Count = 4
+    hidden: Count = 64
+    num_classes: Count = 10
+    pool_size: Count = 7
+    batch_size: Count = 8
+    dtype: FloatDType = "float32"
 
 
 PRESETS: dict[str, dict] = {

@@ -5,29 +5,39 @@ forward(images[B, C, H, W], labels[B]) -> mean cross-entropy of the class-token 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from torch import nn
 
+from hetsynth.zoo.config import Count, FloatDType, Fraction, heads_divide_hidden, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style, seeded_generator
 
 
-@dataclass(frozen=True)
+@zoo_config
 class ViTConfig:
-    image_size: int = 16
-    patch_size: int = 4
-    channels: int = 3
-    num_classes: int = 10
-    num_layers: int = 2
-    hidden: int = 32
-    num_heads: int = 4
-    ffn_hidden: int = 128
-    batch_size: int = 8
-    dropout: float = 0.0
-    dtype: str = "float32"
+    image_size: Count = 16
+    patch_size: Count = 4
+    channels: Count = 3
+    num_classes: Count = 10
+    num_layers: Count = 2
+    hidden: Count = 32
+    num_heads: Count = 4
+    ffn_hidden: Count = 128
+    batch_size: Count = 8
+    dropout: Fraction = 0.0
+    dtype: FloatDType = "float32"
+
+    _heads = heads_divide_hidden
+
+    @model_validator(mode="after")
+    def _patches(self) -> "ViTConfig":
+        if self.patch_size > self.image_size:
+            raise ValueError(f"patch_size={self.patch_size} is larger than image_size={self.image_size}; "
+                             f"choose patch_size <= image_size")
+        return self
 
     @property
     def num_patches(self) -> int:
