@@ -40,8 +40,8 @@ of the (per group) tensor and s_i device i's share of the split dim within its g
              (g-1) alpha + max_n S_n (1 - S_n) D / beta_nic
   slice (R -> S), partial (R -> P): local, free.
 
-Each is a LinearCost in the shares (cost_models.linear_cost) with one entry per device of the
-cluster; a form that is not affine in the shares (all_to_all's s (1 - s), the ring's per-
+Each is a LinearCost in the shares (cost_models.linear_cost) with one entry per class of
+interchangeable devices (cost_models.device_classes; one per device when not given); a form that is not affine in the shares (all_to_all's s (1 - s), the ring's per-
 member maximum) is linearised at the current shares (`at`): exact there, and for the concave
 all_to_all a tangent above it (across nodes: its value there). The backward of a collective
 is its adjoint (all_gather <-> reduce_scatter, all_reduce <-> all_reduce, all_to_all <->
@@ -56,6 +56,7 @@ from typing import Sequence
 
 from cost_models.calibration import AlphaBeta
 from cost_models.cluster import ClusterSpec
+from cost_models.device_classes import DeviceClasses, NodeType
 from cost_models.linear_cost import LinearCost
 from instruction_set.mesh import Mesh
 
@@ -84,23 +85,49 @@ LOCAL = frozenset({"slice", "partial"})
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb)
 
 
+@dataclass(frozen=True)
+class Ring:
+    """A ring of all devices across nodes, seen from the entries of the cost vectors (devices,
+    or classes of interchangeable devices): whether an entry's devices start a node (a
+    boundary just before them), how many node boundaries the ring has, and the distinct node
+    compositions as (entry, devices) pairs (for the node shares of the all-to-all)."""
+
+    starts: tuple[bool, ...]
+    cuts: int
+    nodes: tuple[NodeType, ...]
+
+    @staticmethod
+    def of_nodes(nodes: Sequence[int]) -> "Ring":
+        """One entry per device, `nodes[j]` the node of the j-th member in ring order."""
+        starts = tuple(nodes[j - 1] != nodes[j] for j in range(len(nodes)))
+        members: dict[int, list[tuple[int, int]]] = {}
+        for j, node in enumerate(nodes):
+            members.setdefault(node, []).append((j, 1))
+        return Ring(starts, sum(starts), tuple(tuple(m) for m in members.values()))
+
+    @staticmethod
+    def of_classes(classes: DeviceClasses) -> "Ring":
+        return Ring(classes.starts, classes.num_nodes if classes.num_nodes > 1 else 0, classes.node_types)
+
+
 def collective_terms(kind: str, variant: str, g: int, alpha: float, d: float, at: Sequence[float],
-                     nodes: Sequence[int] | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per device i, (a_i, b_i) of `max_i a_i + b_i * s_i` for one collective on a group of g
-    with latency `alpha` and `d` = bytes / beta seconds (the formulas of the module
-    docstring). `at`: the shares (one per device) where a form that is not affine in the
-    shares is linearised (exact there, a tangent elsewhere). `nodes`: the node of each member
-    in ring order when the ring crosses nodes (the group is then every device), None when
-    every link of the ring is alike."""
+                     nodes: Sequence[int] | Ring | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per entry i (a device or a class of devices), (a_i, b_i) of `max_i a_i + b_i * s_i`
+    for one collective on a group of g with latency `alpha` and `d` = bytes / beta seconds
+    (the formulas of the module docstring). `at`: the shares (one per entry) where a form
+    that is not affine in the shares is linearised (exact there, a tangent elsewhere).
+    `nodes`: the ring across nodes (a Ring, or the node of each member in ring order) when
+    the group is every device and spans nodes, None when every link of the ring is alike."""
     n = len(at)
     const = lambda a: ((a,) * n, (0.0,) * n)
-    starts = [nodes[j - 1] != nodes[j] for j in range(n)] if nodes else []  # boundary before j
-    cuts = sum(starts)
+    ring = Ring.of_nodes(nodes) if nodes is not None and not isinstance(nodes, Ring) else nodes
+    cuts = ring.cuts if ring is not None else 0
     if kind in ("all_gather", "reduce_scatter"):
         if variant == "padded" or (variant == "ring" and not cuts):
             return ((g - 1) * alpha,) * n, ((g - 1) * d,) * n
         if variant == "ring":
-            terms = [_ring_term(start, cuts, s) for start, s in zip(starts, at)]
+            assert ring is not None
+            terms = [_ring_term(start, cuts, s) for start, s in zip(ring.starts, at)]
             return tuple((g - 1) * alpha + a * d for a, _ in terms), tuple(b * d for _, b in terms)
         if variant == "grouped":
             return const(g * alpha + d)
@@ -109,11 +136,16 @@ def collective_terms(kind: str, variant: str, g: int, alpha: float, d: float, at
     if kind == "all_to_all":
         if not cuts:  # s_i (1 - s_i) <= s0^2 + (1 - 2 s0) s_i, equal at s0
             return tuple((g - 1) * alpha + s * s * d for s in at), tuple((1 - 2 * s) * d for s in at)
-        node_share: dict[int, float] = {}
-        for node, s in zip(nodes or (), at):
-            node_share[node] = node_share.get(node, 0.0) + s
-        return const((g - 1) * alpha + max(v * (1 - v) for v in node_share.values()) * d)
+        assert ring is not None
+        node_shares = [sum(count * at[e] for e, count in node) for node in ring.nodes]
+        return const((g - 1) * alpha + max(v * (1 - v) for v in node_shares) * d)
     raise ValueError(f"unknown collective {kind}.{variant}")
+
+
+def comm_mesh(cluster: ClusterSpec, two_level: bool = True) -> Mesh:
+    """The mesh of the groups: nodes x devices per node, or one level of all devices."""
+    mesh = Mesh.of([len(n.devices) for n in cluster.nodes])
+    return mesh if two_level else Mesh(1, cluster.num_devices, False)
 
 
 def _ring_term(start: bool, cuts: int, share: float) -> tuple[float, float]:
@@ -130,21 +162,33 @@ def _ring_term(start: bool, cuts: int, share: float) -> tuple[float, float]:
 @dataclass(frozen=True)
 class CommModel:
     """Link parameters of the groups along each mesh axis of a cluster. `two_level` False
-    treats the devices as one group (no node / cross-node groups, no hierarchical variant)."""
+    treats the devices as one group (no node / cross-node groups, no hierarchical variant).
+    Costs have one entry per class of `classes` (default: one per device)."""
 
     cluster: ClusterSpec
     two_level: bool = True
+    classes: DeviceClasses | None = None
     _alpha_beta: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict, repr=False)
     _costs: dict[tuple, LinearCost] = field(default_factory=dict, repr=False)
 
     @cached_property
     def mesh(self) -> Mesh:
-        mesh = Mesh.of([len(n.devices) for n in self.cluster.nodes])
-        return mesh if self.two_level else Mesh(1, self.n, False)
+        return comm_mesh(self.cluster, self.two_level)
 
     @property
     def n(self) -> int:
+        """The number of devices."""
         return self.cluster.num_devices
+
+    @cached_property
+    def entries(self) -> DeviceClasses:
+        """The classes the cost vectors have an entry for."""
+        return self.classes if self.classes is not None else DeviceClasses.each_device(self.cluster)
+
+    @property
+    def width(self) -> int:
+        """The length of every cost vector."""
+        return self.entries.size
 
     def group_size(self, axis: str) -> int:
         return {"all": self.n, "inner": self.mesh.per_node, "outer": self.mesh.num_nodes}[axis]
@@ -201,9 +245,9 @@ class CommModel:
         return cal.lookup(name, self.link_class(axis))
 
     @cached_property
-    def nodes(self) -> tuple[int, ...]:
-        """The node of every device, in rank (ring) order."""
-        return self.cluster.rank_nodes()
+    def ring(self) -> Ring:
+        """The ring of all devices across the cluster's nodes."""
+        return Ring.of_classes(self.entries)
 
     def cost(self, kind: str, variant: str, nbytes: float, axis: str = "all",
              at: Sequence[float] | None = None) -> LinearCost:
@@ -218,7 +262,7 @@ class CommModel:
 
     def _cost(self, kind: str, variant: str, nbytes: float, axis: str,
               at: tuple[float, ...] | None) -> LinearCost:
-        n, g = self.n, self.group_size(axis)
+        n, g = self.width, self.group_size(axis)
         if g == 1 or kind in LOCAL:
             return LinearCost.zero(n)
         if kind == "all_reduce" and variant == "hierarchical":
@@ -226,7 +270,7 @@ class CommModel:
         alpha, beta = self.alpha_beta(kind, variant, axis)
         across = self.link_class(axis) == "inter" and axis == "all"
         a, b = collective_terms(kind, variant, g, alpha, nbytes / beta, at or (1.0 / g,) * n,
-                                self.nodes if across else None)
+                                self.ring if across else None)
         return LinearCost(a, b)
 
     @property
@@ -249,7 +293,7 @@ class CommModel:
         2020): parameters share all-reduces of GRAD_BUCKET_BYTES, so one parameter pays the
         bandwidth term of its bytes and its bytes' fraction of a bucket's latency term."""
         if self.group_size(axis) == 1:
-            return LinearCost.zero(self.n)
+            return LinearCost.zero(self.width)
         return self.bucketed(self.gradient_variant(nbytes, axis), nbytes, axis)
 
     def gradient_variant(self, nbytes: float, axis: str = "all") -> str:
@@ -263,7 +307,7 @@ class CommModel:
         whole = self.cost("all_reduce", variant, whole_bytes, axis).a[0]
         empty = self.cost("all_reduce", variant, 0.0, axis).a[0]
         fraction = min(1.0, nbytes / GRAD_BUCKET_BYTES)
-        return LinearCost.constant(empty * fraction + (whole - empty) / whole_bytes * nbytes, self.n)
+        return LinearCost.constant(empty * fraction + (whole - empty) / whole_bytes * nbytes, self.width)
 
     def with_adjoint(self, kind: str, variant: str, nbytes: float, grad: bool,
                      axis: str = "all", at: Sequence[float] | None = None) -> LinearCost:

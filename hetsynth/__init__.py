@@ -50,6 +50,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     programs (the batch split, parameters replicated); the ratios, the collective variants and
     SFB are still the cost model's choices."""
     from hetsynth.models import parse_model_ref, with_overrides
+    from planner.feasibility import check_training_state_fits
     from planner.planner import DP_SEED, make_plan
 
     if cluster is None:
@@ -61,16 +62,17 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         ref = parse_model_ref(model)
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
+        graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
+        check_training_state_fits(graph, spec)  # before timing anything
         if measure_ops:
             graph = capture_measured(ref.ref, allow_replicate_fallback=allow_replicate_fallback, cluster=spec)
-        else:
-            graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
     else:
         if example_inputs is None:
             raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
         if batch_size is not None:
             raise ValueError("batch_size applies to model references; slice example_inputs instead")
         graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback)
+        check_training_state_fits(graph, spec)
         if measure_ops:
             if any(t.is_meta for t in example_inputs):
                 raise ValueError("measure_ops needs real example inputs (not on the meta device)")

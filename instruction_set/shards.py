@@ -22,6 +22,11 @@ On a two-level mesh (instruction_set.mesh) a layout `A|B` places a dim on one ax
                               node (by the column sums of the ratios, `inside_ratios`)
 `rank_lengths` gives, for any layout, every sharded dim's local length on every rank.
 Every consumer of shard lengths (cost model, plan, codegen) calls these two methods.
+
+A class's root lengths depend on it only through its count of units `root_size / unit`, so
+`ShardLengths` rounds once per count and per axis (over all ranks, the node blocks, inside a
+node) at fixed ratios and answers every tensor of every class with that count, for all
+ranks or only some (the representatives of device classes, cost_models.device_classes).
 """
 
 from __future__ import annotations
@@ -75,9 +80,6 @@ class DimClass:
     unit: int
     members: tuple[DimKey, ...]
 
-    def root_lengths(self, ratios: Sequence[float]) -> list[int]:
-        return [self.unit * n for n in largest_remainder(ratios, self.root_size // self.unit)]
-
 
 class DimClasses:
     """Classes of linked tensor dims and their shard lengths."""
@@ -103,13 +105,10 @@ class DimClasses:
 
     def lengths(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[int]:
         """Per-rank lengths of `tensor` sharded on `dim` under `ratios`."""
-        key = (tensor, dim)
-        cls = self.classes[self.class_of[key]]
-        scale = self.sizes[key] // cls.root_size if self.sizes[key] % cls.root_size == 0 else None
-        roots = cls.root_lengths(ratios)
-        if scale is not None:
-            return [n * scale for n in roots]
-        return [n * self.sizes[key] // cls.root_size for n in roots]
+        return list(ShardLengths(self, ratios, Mesh(1, len(ratios), False)).lengths(tensor, dim, "flat"))
+
+    def of(self, tensor: str, dim: int) -> DimClass:
+        return self.classes[self.class_of[(tensor, dim)]]
 
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[float]:
         """Fraction of the dim held by each rank."""
@@ -119,31 +118,83 @@ class DimClasses:
     def rank_lengths(self, tensor: str, layout: Layout, ratios: Sequence[float],
                      mesh: Mesh) -> dict[int, tuple[int, ...]]:
         """{dim: local length on each rank} for every dim the layout splits."""
-        outer, inner = axes(layout)
-        d_out, d_in = shard_dim(outer), shard_dim(inner)
-        out: dict[int, tuple[int, ...]] = {}
-        if d_out is not None and d_out == d_in:
-            return {d_out: tuple(self.lengths(tensor, d_out, ratios))}
-        if d_out is not None:
-            flat = self.lengths(tensor, d_out, ratios)
-            blocks = [sum(flat[r] for r in mesh.node_ranks(j)) for j in range(mesh.num_nodes)]
-            out[d_out] = tuple(blocks[mesh.node(r)] for r in range(mesh.size))
-        if d_in is not None:
-            inner = self.lengths(tensor, d_in, inside_ratios(ratios, mesh))
-            out[d_in] = tuple(inner[mesh.local(r)] for r in range(mesh.size))
-        return out
+        return ShardLengths(self, ratios, mesh).rank_lengths(tensor, layout)
 
     def rank_shares(self, tensor: str, layout: Layout, ratios: Sequence[float],
                     mesh: Mesh) -> tuple[float, ...]:
         """Fraction of the tensor's elements each rank holds (1 for unsplit layouts)."""
-        shares = [1.0] * mesh.size
-        for dim, lengths in self.rank_lengths(tensor, layout, ratios, mesh).items():
-            size = self.sizes[(tensor, dim)]
-            shares = [s * n / size for s, n in zip(shares, lengths)]
-        return tuple(shares)
+        return ShardLengths(self, ratios, mesh).rank_shares(tensor, layout)
 
     def class_id(self, tensor: str, dim: int) -> int:
         return self.class_of[(tensor, dim)]
+
+
+AXES = ("flat", "outer", "inner")  # split over all ranks / across nodes only / inside nodes only
+
+
+class ShardLengths:
+    """The shard lengths of every dim class at fixed ratios on a mesh, rounded once per count
+    of units and axis. `ranks` (default all) picks whose lengths are returned."""
+
+    def __init__(self, classes: DimClasses, ratios: Sequence[float], mesh: Mesh) -> None:
+        self.classes, self.ratios, self.mesh = classes, tuple(ratios), mesh
+        self.inside = inside_ratios(ratios, mesh)
+        self._units: dict[tuple[int, str], tuple[int, ...]] = {}
+
+    @property
+    def counts(self) -> list[int]:
+        """The distinct counts of units `root_size / unit` of the dim classes."""
+        return sorted({c.root_size // c.unit for c in self.classes.classes})
+
+    def units(self, count: int, axis: str) -> tuple[int, ...]:
+        """Units held by every rank when `count` units are split along `axis`: `flat` over all
+        ranks by the ratios; `outer` the rank's node's block of the flat split; `inner` inside
+        each node by `inside_ratios`, the same on every node."""
+        key = (count, axis)
+        if key not in self._units:
+            self._units[key] = self._round(count, axis)
+        return self._units[key]
+
+    def _round(self, count: int, axis: str) -> tuple[int, ...]:
+        mesh = self.mesh
+        if axis == "flat":
+            return tuple(largest_remainder(self.ratios, count))
+        if axis == "outer":
+            flat = self.units(count, "flat")
+            blocks = [sum(flat[r] for r in mesh.node_ranks(j)) for j in range(mesh.num_nodes)]
+            return tuple(blocks[r // mesh.per_node] for r in range(mesh.size))
+        inner = largest_remainder(self.inside, count)
+        return tuple(inner[r % mesh.per_node] for r in range(mesh.size))
+
+    def lengths(self, tensor: str, dim: int, axis: str, ranks: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Local lengths of `tensor`'s `dim` split along `axis` (root units times the member's
+        scale `size / root_size`)."""
+        cls, size = self.classes.of(tensor, dim), self.classes.sizes[(tensor, dim)]
+        units = self.units(cls.root_size // cls.unit, axis)
+        picked = units if ranks is None else (units[r] for r in ranks)
+        return tuple(cls.unit * u * size // cls.root_size for u in picked)
+
+    def rank_lengths(self, tensor: str, layout: Layout,
+                     ranks: Sequence[int] | None = None) -> dict[int, tuple[int, ...]]:
+        """{dim: local length on each rank} for every dim the layout splits."""
+        outer, inner = axes(layout)
+        d_out, d_in = shard_dim(outer), shard_dim(inner)
+        if d_out is not None and d_out == d_in:
+            return {d_out: self.lengths(tensor, d_out, "flat", ranks)}
+        out: dict[int, tuple[int, ...]] = {}
+        if d_out is not None:
+            out[d_out] = self.lengths(tensor, d_out, "outer", ranks)
+        if d_in is not None:
+            out[d_in] = self.lengths(tensor, d_in, "inner", ranks)
+        return out
+
+    def rank_shares(self, tensor: str, layout: Layout, ranks: Sequence[int] | None = None) -> tuple[float, ...]:
+        """Fraction of the tensor's elements each rank holds (1 for unsplit layouts)."""
+        shares = [1.0] * (self.mesh.size if ranks is None else len(ranks))
+        for dim, lengths in self.rank_lengths(tensor, layout, ranks).items():
+            size = self.classes.sizes[(tensor, dim)]
+            shares = [s * n / size for s, n in zip(shares, lengths)]
+        return tuple(shares)
 
 
 def inside_ratios(ratios: Sequence[float], mesh: Mesh) -> list[float]:

@@ -6,7 +6,8 @@ shares depend on the ratios for the LP (`lp_kind`), whether it is compute or com
 and its memory. The same terms give
 
 - the prediction of a plan: step time = sum over instructions of the max over devices, plus
-  the step's scalar all-reduces (step_term); per-device compute, communication and memory;
+  the step's scalar all-reduces (step_term); per-device compute, communication and memory
+  (per class of interchangeable devices, planner.problem, expanded to every device);
 - the sharding-ratio LP (planner.ratios), which replaces the shares by functions of the
   ratio variables r: "flat" s_i = r_i, "node" s_i = sum of r over device i's node, "fixed"
   (shares inside one node only: kept at their current value), "none" (no split).
@@ -58,11 +59,11 @@ def _compute_term(pb: Problem, ins: Instruction) -> Term:
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
     return Term(pb.compute_linear(node, ri), pb.rule_shares(node, rule), lp_kind((rule.output, *rule.inputs)),
-                True, activation_memory(node, rule_splits(rule), pb.n))
+                True, activation_memory(node, rule_splits(rule), pb.width))
 
 
 def _param_term(pb: Problem, ins: Instruction) -> Term:
-    mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.n)
+    mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.width)
     update = pb.update_linear(ins.tensor, ins.layout)
     return Term(update, pb.shares(ins.tensor, ins.layout), lp_kind([ins.layout]), True, mem)
 
@@ -73,7 +74,7 @@ def _sync_term(pb: Problem, ins: Instruction) -> Term:
     if ins.axis == "outer":
         nbytes *= max(pb.shares(ins.tensor, ins.layout))
     cost = pb.comm.bucketed(ins.variant, nbytes, ins.axis)
-    return Term(cost, (1.0,) * pb.n, "none", False)
+    return Term(cost, (1.0,) * pb.width, "none", False)
 
 
 def _collective_term(pb: Problem, ins: Instruction) -> Term:
@@ -107,8 +108,8 @@ STEP_SCALARS = 2  # all-reduces of one scalar per step: the global gradient norm
 def step_term(pb: Problem) -> Term:
     """What every step adds to any program: the runtime's scalar all-reduces over all
     devices (runtime.train: global-norm clipping and the reported loss), latency-bound."""
-    one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.n,) * pb.n)
-    return Term(LinearCost.constant(STEP_SCALARS * one, pb.n), (1.0,) * pb.n, "none", False)
+    one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.width,) * pb.width)
+    return Term(LinearCost.constant(STEP_SCALARS * one, pb.width), (1.0,) * pb.width, "none", False)
 
 
 def first_input_layouts(program: Sequence[Instruction]) -> dict[str, str]:
@@ -137,7 +138,7 @@ def memory_bytes(n: int, terms: Sequence[Term]) -> list[float]:
 
 def predict(pb: Problem, terms: Sequence[Term]) -> Prediction:
     """Step time and per-device compute, communication and memory at the problem's ratios."""
-    compute = [0.0] * pb.n
+    compute = [0.0] * pb.width
     comm = 0.0
     for t in terms:
         if t.is_compute:
@@ -145,11 +146,12 @@ def predict(pb: Problem, terms: Sequence[Term]) -> Prediction:
                 compute[i] += c
         else:
             comm += t.time.at(t.shares)
-    memory = memory_bytes(pb.n, terms)
+    memory = memory_bytes(pb.width, terms)
     caps = [k.memory_gib for k in pb.kinds]
+    of = pb.devices.of_rank
     devices = tuple(
-        DevicePrediction(name=d.name, kind=d.kind, ratio=pb.ratios[i], compute_s=compute[i],
-                         communication_s=comm, memory_gib=memory[i] / GIB, memory_capacity_gib=caps[i])
+        DevicePrediction(name=d.name, kind=d.kind, ratio=pb.ratios[i], compute_s=compute[of[i]],
+                         communication_s=comm, memory_gib=memory[of[i]] / GIB, memory_capacity_gib=caps[of[i]])
         for i, d in enumerate(pb.cluster.devices))
     total = step_time(terms)
     return Prediction(step_time_s=total, compute_s=total - comm, communication_s=comm,

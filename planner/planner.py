@@ -15,12 +15,14 @@ the bounded search finds nothing cheaper. The best (program, ratios) pair evalua
 program in memory, the search is repeated with a memory penalty (seconds per byte, escalated
 x4 per attempt) on replicated parameters and activations, which steers it to sharded
 storage; if no attempt fits, `PlanInfeasible` names the device that is short of memory, by
-how many GiB, for the best plan found.
+how many GiB, for the best plan found. A problem whose training state alone exceeds the
+cluster's memory is refused before any search (planner.feasibility).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,19 +35,18 @@ from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.program import COLLECTIVES, Instruction
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict, program_terms
+from planner.feasibility import PlanInfeasible, check_training_state_fits
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
+
+log = logging.getLogger(__name__)
 
 MEMORY_ATTEMPTS = 6
 SEED_WIDTH = 8  # the incumbents' spaces are narrow; a small width finds their optimum
 
 # The incumbent of every search: data parallelism (any all-reduce variant, SFB allowed).
 DP_SEED = dataclasses.replace(baselines.DP, allow_sfb=True)
-
-
-class PlanInfeasible(ValueError):
-    """No plan fits the cluster's memory."""
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,20 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
         pb = Problem(graph, cluster, ratios, restrictions)
         terms = program_terms(pb, result.instructions)
         try:
-            solution = solve_ratios(terms, cluster.memories_gib(),
-                                    nodes=[pb.mesh.node(i) for i in range(pb.n)])
+            solution = solve_ratios(terms, [k.memory_gib for k in pb.kinds], classes=pb.devices)
         except MemoryInfeasible:
+            log.info("round %d: no ratios fit this program in memory", stats.rounds)
             break
         stats.lp_s += solution.seconds
-        moved = _evaluate(graph, cluster, solution.ratios, result.instructions, restrictions)
+        moved = _evaluate(graph, cluster, pb.devices.expand(solution.ratios), result.instructions, restrictions)
+        log.info("round %d: program %.2f ms at the ratios searched, %.2f ms at the LP's ratios (%d device "
+                 "classes, %.1f s so far)", stats.rounds, current.prediction.step_time_s * 1e3,
+                 moved.prediction.step_time_s * 1e3, pb.width, stats.search_s + stats.lp_s)
         improved = moved.prediction.step_time_s < best.prediction.step_time_s * (1 - 1e-3)
         best = moved if moved.better_than(best) else best
         if not improved:
             break
-        ratios = solution.ratios
+        ratios = moved.ratios
     assert best is not None
     return best
 
@@ -153,6 +157,7 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
                 width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6,
                 restrictions: Restrictions | None = None) -> tuple[Candidate, _Stats]:
     """The best program and ratios (raises PlanInfeasible when nothing fits in memory)."""
+    check_training_state_fits(graph, cluster)
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
     stats, weight, best = _Stats(), 0.0, None
@@ -163,6 +168,9 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
         if best.prediction.fits:
             return best, stats
         weight = _next_weight(weight, candidate)
+        if attempt + 1 < MEMORY_ATTEMPTS:
+            log.info("the best plan needs %.2f GiB more than a device holds; searching again with a "
+                     "memory penalty (attempt %d of %d)", _overflow(best), attempt + 2, MEMORY_ATTEMPTS)
     raise PlanInfeasible(_shortfall_message(graph, cluster, best))
 
 
@@ -177,13 +185,15 @@ def _next_weight(weight: float, candidate: Candidate) -> float:
 def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate) -> str:
     pb = Problem(graph, cluster, best.ratios)
     ratios, over = least_memory_overflow(program_terms(pb, best.program), [k.memory_gib for k in pb.kinds],
-                                         nodes=[pb.mesh.node(i) for i in range(pb.n)])
+                                         classes=pb.devices)
     worst = max(range(len(over)), key=lambda i: over[i])
-    device = cluster.devices[worst]
-    cap = cluster.device_kind(worst).memory_gib
+    device = cluster.devices[pb.devices.reps[worst]]
+    cap = pb.kinds[worst].memory_gib
+    others = pb.devices.counts[worst] - 1
     return (f"no plan fits in memory: the best plan found needs {cap + over[worst]:.2f} GiB on device "
-            f"{device.name!r} ({device.kind}, {cap:g} GiB), short by {over[worst]:.2f} GiB even with "
-            f"memory-optimal ratios; use devices with more memory, a smaller batch or a smaller model")
+            f"{device.name!r} ({device.kind}, {cap:g} GiB{f'; and {others} more like it' if others else ''}), "
+            f"short by {over[worst]:.2f} GiB even with memory-optimal ratios; use devices with more memory, "
+            f"a smaller batch or a smaller model")
 
 
 def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ...]:
@@ -215,7 +225,7 @@ def shard_table(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[s
 
     def add(tensor: str, layout: str) -> None:
         if is_shard(layout):
-            table.setdefault(tensor, {})[layout] = pb.classes.rank_lengths(tensor, layout, pb.ratios, pb.mesh)
+            table.setdefault(tensor, {})[layout] = pb.lengths.rank_lengths(tensor, layout)
 
     for ins in program:
         add(ins.tensor, ins.layout)
@@ -241,9 +251,14 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests)."""
     start = time.perf_counter()
+    log.info("planning %s (%d ops) for %s (%d devices)", graph.model_ref, len(graph.calls), cluster.name,
+             cluster.num_devices)
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
                               restrictions=restrictions)
     seconds = time.perf_counter() - start
+    if with_baselines:
+        log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,
+                 best.prediction.step_time_s * 1e3)
     pb = Problem(graph, cluster, best.ratios, restrictions)
     return Plan(
         model=model_info(graph), cluster=cluster, mesh=(pb.mesh.num_nodes, pb.mesh.per_node),

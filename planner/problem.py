@@ -8,6 +8,8 @@
   dims (or nothing): data parallelism across nodes combined with anything inside a node,
   next to the one-level rules (HAP's space). `Restrictions` (the baselines) narrow this;
 - dim classes and shard lengths (instruction_set.shards) and each layout's per-device share;
+- the classes of interchangeable devices at these ratios (cost_models.device_classes): every
+  per-device vector (costs, shares, memory) has one entry per class, `width` entries;
 - liveness: the index of each tensor's last consumer, so states keep only live tensors;
 - compute cost per (node, rule) and the cheapest conversion between two layouts of a tensor
   (one or two collectives on some mesh axis, the best variant of each), memoised.
@@ -23,15 +25,16 @@ from functools import cached_property
 from typing import Sequence
 
 from cost_models.cluster import ClusterSpec, DeviceKind
-from cost_models.comm import VARIANTS, CommModel
+from cost_models.comm import VARIANTS, CommModel, comm_mesh
 from cost_models.compute import Reference, compute_cost, update_cost
+from cost_models.device_classes import DeviceClasses, device_classes
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.layouts import (P, PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
                                      shard_dim)
 from instruction_set.rules import Rule, product_rule, rules_for
-from instruction_set.shards import DimClasses
+from instruction_set.shards import DimClasses, ShardLengths
 
 
 @dataclass(frozen=True)
@@ -94,14 +97,16 @@ class Problem:
         self.ratios = tuple(float(r) for r in ratios)
         self.restrictions = restrictions or Restrictions()
         self.memory_weight = memory_weight  # seconds per byte on the most loaded device
-        self.n = cluster.num_devices
-        self.kinds: list[DeviceKind] = [cluster.device_kind(r) for r in range(self.n)]
-        self.comm = CommModel(cluster, two_level=self.restrictions.two_level)
-        self.mesh = self.comm.mesh
         self.order: list[Node] = graph.calls
         self.index = {n.name: k for k, n in enumerate(self.order)}
         base = {n.name: rules_for(n, self.in_metas(n)) for n in self.order}
         self.classes = DimClasses(self._sizes(), [l for n in self.order for l in rule_links(n, base[n.name])])
+        self.mesh = comm_mesh(cluster, self.restrictions.two_level)
+        self.lengths = ShardLengths(self.classes, self.ratios, self.mesh)
+        self.devices: DeviceClasses = device_classes(cluster, self.lengths)
+        self.width = self.devices.size
+        self.kinds: list[DeviceKind] = self.devices.kinds(cluster)
+        self.comm = CommModel(cluster, two_level=self.restrictions.two_level, classes=self.devices)
         self.rules = {n.name: self._rules(n, base[n.name]) for n in self.order}
         empty = [n.name for n in self.order if not self.rules[n.name]]
         if empty:
@@ -180,15 +185,15 @@ class Problem:
         """Each device's fraction of `tensor`'s elements in `layout` (1 when not split)."""
         key = (tensor, layout)
         if key not in self._shares:
-            self._shares[key] = (self.classes.rank_shares(tensor, layout, self.ratios, self.mesh)
-                                 if is_shard(layout) else (1.0,) * self.n)
+            self._shares[key] = (self.lengths.rank_shares(tensor, layout, self.devices.reps)
+                                 if is_shard(layout) else (1.0,) * self.width)
         return self._shares[key]
 
     def rule_shares(self, node: Node, rule: Rule) -> tuple[float, ...]:
         """Each device's fraction of the op's work: the smallest share among split entries."""
         split = [self.shares(t, l) for t, l in rule_entries(node, rule) if is_shard(l)]
         if not split:
-            return (1.0,) * self.n
+            return (1.0,) * self.width
         return tuple(min(v) for v in zip(*split))
 
     def compute_linear(self, node: Node, rule_index: int) -> LinearCost:
@@ -211,7 +216,7 @@ class Problem:
         shares = self.rule_shares(node, rule)
         seconds = self.compute_linear(node, rule_index).at(shares)
         if self.memory_weight:
-            memory = activation_memory(node, rule_splits(rule), self.n)
+            memory = activation_memory(node, rule_splits(rule), self.width)
             seconds += self.memory_weight * max(memory.per_device(shares))
         return seconds
 
@@ -227,7 +232,12 @@ class Problem:
         if not g.reference_flops:
             return None
         scales = g.device_scales or {}
-        return Reference(g.reference_flops, tuple(scales.get(d.kind) for d in self.cluster.devices))
+        return Reference(g.reference_flops, tuple(scales.get(k) for k in self.device_kind_names))
+
+    @property
+    def device_kind_names(self) -> list[str]:
+        """The device kind of every class."""
+        return [self.cluster.devices[r].kind for r in self.devices.reps]
 
     def storage_cost(self, tensor: str, layout: Layout) -> float:
         """Seconds of storing a parameter in `layout`: its optimizer step, plus the memory
@@ -236,7 +246,7 @@ class Problem:
         seconds = self.update_linear(tensor, layout).at(shares)
         if not self.memory_weight:
             return seconds
-        mem = param_memory(self.meta(tensor).nbytes, is_shard(layout), self.n)
+        mem = param_memory(self.meta(tensor).nbytes, is_shard(layout), self.width)
         return seconds + self.memory_weight * max(mem.per_device(shares))
 
     # -- collectives ----------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The sharding-ratio LP (HAP, EuroSys'24, section 5), for a fixed program.
 
 Variables
-    r_i in [0, 1]     share of device i in every sharded dim (one ratio vector)
+    r_i in [0, 1]     share of device i in every sharded dim (one ratio vector); devices of
+                      one class of interchangeable devices (cost_models.device_classes)
+                      share one variable, and i below ranges over classes with n_i devices
     t_j >= 0          epigraph of instruction group j (instructions with equal cost forms)
 
 Every instruction's time is `max_i (a_ji + b_ji s_i)` (cost_models.linear_cost) in shares s
@@ -11,7 +13,7 @@ nodes only, `fixed`). Identical forms (the same op in every layer) form one grou
 multiplicity m_j; forms without a ratio dependence are constants K. The LP is
 
     minimise    sum_j m_j t_j + K
-    subject to  sum_i r_i = 1                                              (simplex)
+    subject to  sum_i n_i r_i = 1                                          (simplex)
                 t_j >= a_ji + b_ji s_i(r)       for all compute groups j, devices i
                 t_j >= a_ji + b_ji s_i(r)       for all communication groups j, devices i
                 sum_p f_pi + g_pi s_pi(r) <= capacity_i   for all devices i (memory)
@@ -31,6 +33,7 @@ from typing import Sequence
 
 import pulp
 
+from cost_models.device_classes import DeviceClasses
 from cost_models.memory import GIB
 from planner.evaluate import Term
 
@@ -70,14 +73,19 @@ def group_forms(terms: Sequence[Term], compute: bool) -> tuple[Counter, float]:
     return forms, constant
 
 
-def share_exprs(r: list[pulp.LpVariable], nodes: Sequence[int]) -> dict[str, list]:
-    """s_i(r) per lp kind: r_i, or the sum of r over device i's node."""
-    node_sum = {j: pulp.lpSum(r[i] for i in range(len(r)) if nodes[i] == j) for j in set(nodes)}
-    return {"flat": list(r), "node": [node_sum[nodes[i]] for i in range(len(r))]}
+def share_exprs(r: list[pulp.LpVariable], classes: DeviceClasses) -> dict[str, list]:
+    """s_i(r) per lp kind: r_i, or the sum of r over class i's node (its composition)."""
+    node = {t: pulp.lpSum(count * r[c] for c, count in t) for t in classes.node_types}
+    return {"flat": list(r), "node": [node[t] for t in classes.node_of]}
 
 
-def add_simplex(prob: pulp.LpProblem, r: list[pulp.LpVariable]) -> None:
-    prob += pulp.lpSum(r) == 1, "simplex"
+def add_simplex(prob: pulp.LpProblem, r: list[pulp.LpVariable], classes: DeviceClasses) -> None:
+    prob += pulp.lpSum(count * x for count, x in zip(classes.counts, r)) == 1, "simplex"
+
+
+def _entries(n: int, nodes: Sequence[int] | None, classes: DeviceClasses | None) -> DeviceClasses:
+    """The LP's entries: the given classes, else one per device (`nodes[i]`: device i's node)."""
+    return classes if classes is not None else DeviceClasses.of_nodes(list(nodes) if nodes is not None else [0] * n)
 
 
 def add_epigraphs(prob: pulp.LpProblem, s: dict[str, list], forms: Counter,
@@ -120,17 +128,20 @@ def add_memory(prob: pulp.LpProblem, s: dict[str, list], terms: Sequence[Term],
 
 
 def solve_ratios(terms: Sequence[Term], capacities_gib: Sequence[float], *,
-                 nodes: Sequence[int] | None = None, min_ratio: float = 0.0) -> RatioSolution:
-    """Optimal ratios for the program whose terms are given (raises MemoryInfeasible).
-    `nodes[i]` is device i's node (for terms split across nodes only)."""
+                 nodes: Sequence[int] | None = None, classes: DeviceClasses | None = None,
+                 min_ratio: float = 0.0) -> RatioSolution:
+    """Optimal ratios for the program whose terms are given (raises MemoryInfeasible), one per
+    entry of the terms: per class of `classes`, or per device (`nodes[i]` device i's node, for
+    terms split across nodes only)."""
     start = time.perf_counter()
     n = len(capacities_gib)
+    entries = _entries(n, nodes, classes)
     prob = pulp.LpProblem("sharding_ratios", pulp.LpMinimize)
     r = [prob.add_variable(f"r_{i}", lowBound=min_ratio, upBound=1) for i in range(n)]
-    s = share_exprs(r, nodes if nodes is not None else [0] * n)
+    s = share_exprs(r, entries)
     compute_forms, compute_const = group_forms(terms, compute=True)
     comm_forms, comm_const = group_forms(terms, compute=False)
-    add_simplex(prob, r)
+    add_simplex(prob, r, entries)
     objective = add_epigraphs(prob, s, compute_forms, "compute") + add_epigraphs(prob, s, comm_forms, "comm")
     prob += objective + compute_const + comm_const
     add_memory(prob, s, terms, capacities_gib)
@@ -140,20 +151,22 @@ def solve_ratios(terms: Sequence[Term], capacities_gib: Sequence[float], *,
     if status != "Optimal":
         raise MemoryInfeasible(f"sharding-ratio LP is {status.lower()}")
     ratios = tuple(max(0.0, float(v.value() or 0.0)) for v in r)
-    total = sum(ratios)
+    total = sum(count * x for count, x in zip(entries.counts, ratios))
     return RatioSolution(tuple(x / total for x in ratios), float(pulp.value(prob.objective)),
                          time.perf_counter() - start, name)
 
 
 def least_memory_overflow(terms: Sequence[Term], capacities_gib: Sequence[float], *,
-                          nodes: Sequence[int] | None = None) -> tuple[tuple[float, ...], list[float]]:
-    """Ratios minimising the largest memory overflow, and each device's overflow in GiB."""
+                          nodes: Sequence[int] | None = None,
+                          classes: DeviceClasses | None = None) -> tuple[tuple[float, ...], list[float]]:
+    """Ratios minimising the largest memory overflow, and each entry's overflow in GiB."""
     n = len(capacities_gib)
+    entries = _entries(n, nodes, classes)
     prob = pulp.LpProblem("memory_overflow", pulp.LpMinimize)
     r = [prob.add_variable(f"r_{i}", lowBound=0, upBound=1) for i in range(n)]
     z = prob.add_variable("z")
-    add_simplex(prob, r)
-    s = share_exprs(r, nodes if nodes is not None else [0] * n)
+    add_simplex(prob, r, entries)
+    s = share_exprs(r, entries)
     mem = memory_expr(terms, s, n)
     for i, cap in enumerate(capacities_gib):
         prob += mem[i] / GIB - cap <= z, f"overflow_dev{i}"

@@ -68,7 +68,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import sys
+import logging
 import time
 from dataclasses import dataclass
 
@@ -78,6 +78,8 @@ from planner.bounds import ChainBound
 from planner.problem import Problem
 from planner.signature import Signatures, canonical_facts, canonical_move, instantiate
 from planner.transitions import Fact, Move, moves
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WIDTH = 32
 HORIZON = 40  # nodes; facts of tensors read again later than this define a state's stratum
@@ -186,7 +188,7 @@ class _Pending:
 
 
 class _Progress:
-    """A line on stderr about once a second for searches longer than a second."""
+    """A log line (INFO) about once a second for searches longer than a second."""
 
     def __init__(self, enabled: bool, total: int) -> None:
         self.enabled, self.total = enabled, total
@@ -196,8 +198,8 @@ class _Progress:
         now = time.perf_counter()
         if self.enabled and now - self.start > 1.0 and now - self.last > 1.0:
             self.last = now
-            print(f"  synthesis: {expanded:,} states expanded, node {k}/{self.total}, "
-                  f"best bound {f * 1e3:.3f} ms", file=sys.stderr, flush=True)
+            log.info("synthesis: %s states expanded, node %d/%d, best bound %.3f ms",
+                     f"{expanded:,}", k, self.total, f * 1e3)
 
 
 class _Search:

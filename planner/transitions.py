@@ -157,14 +157,14 @@ def replica_sync(pb: Problem, param: str, layout: Layout) -> Emit | None:
     if not meta.requires_grad or (is_shard(layout) and not is_two_level(layout)):
         return None
     nbytes, axis = (meta.nbytes, "all") if layout == R else (meta.nbytes * max(pb.shares(param, layout)), "outer")
-    seconds = pb.comm.gradient_allreduce(nbytes, axis).at((1.0,) * pb.n)
+    seconds = pb.comm.gradient_allreduce(nbytes, axis).at((1.0,) * pb.width)
     return _emit(kind="all_reduce", tensor=param, layout=layout, src="P", phase="backward",
                  variant=pb.comm.gradient_variant(nbytes, axis), predicted_s=seconds, axis=axis)
 
 
 def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None) -> Emit:
     meta = pb.meta(param)
-    allreduce = pb.comm.gradient_allreduce(meta.nbytes).at((1.0,) * pb.n)
+    allreduce = pb.comm.gradient_allreduce(meta.nbytes).at((1.0,) * pb.width)
     sfb = _sfb_cost(pb, param, consumer, rule) if rule is not None else None
     options = {"all_reduce": allreduce} | ({"sfb": sfb[0]} if sfb is not None else {})
     if sfb is not None and (sfb[0] < allreduce or pb.restrictions.force_sfb):

@@ -15,7 +15,7 @@ import hetsynth
 from cost_models.cluster import cluster_from_dict, load_cluster
 from instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
 from planner import baselines
-from planner.planner import PlanInfeasible
+from planner.planner import PlanInfeasible, search_plan
 from planner.problem import Problem
 from planner.synthesis import synthesize
 
@@ -86,15 +86,26 @@ def test_fixed_ratios_are_kept() -> None:
         hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "local-emulated.toml"), ratios=[0.5, 0.3, 0.2])
 
 
+def _small_memory(memory_gib: float) -> dict:
+    return {"name": "tiny-mem", "device_kinds": {"small": {"throughput_flops": 1e12, "memory_gib": memory_gib}},
+            "nodes": [{"name": "n", "kind": "small", "num_devices": 2}],
+            "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 10}}
+
+
 def test_infeasible_memory_names_the_device() -> None:
-    raw = {"name": "tiny-mem", "device_kinds": {"small": {"throughput_flops": 1e12, "memory_gib": 0.0001}},
-           "nodes": [{"name": "n", "kind": "small", "num_devices": 2}],
-           "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 10}}
+    # gpt:tiny's training state (0.42 MiB) fits in the two devices together, its activations do not
     with pytest.raises(PlanInfeasible) as info:
-        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(raw))
+        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(_small_memory(0.00025)))
     msg = str(info.value)
     assert "'n/0'" in msg or "'n/1'" in msg
     assert "short by" in msg and "GiB" in msg
+
+
+def test_training_state_beyond_all_memory_is_refused_before_the_search() -> None:
+    graph = hetsynth.capture_model("gpt:tiny")
+    need_gib = 4 * 4 * graph.num_params / 2**30
+    with pytest.raises(PlanInfeasible, match=rf"alone need {need_gib:.2f} GiB .* hold 0.0002 GiB in all"):
+        search_plan(graph, cluster_from_dict(_small_memory(0.0001)), progress=False)
 
 
 def test_bounded_search_matches_exhaustive_on_a_small_model() -> None:
