@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cost_models.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
+from instruction_set.plan_checks import check_plan
 from instruction_set.program import Instruction
 
 PLAN_VERSION = 1
@@ -89,6 +90,11 @@ class Plan(_Frozen):
     baselines: dict[str, BaselineResult] = Field(default_factory=dict)
     synthesis: SynthesisStats
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        check_plan(self)  # instruction_set.plan_checks
+        return self
+
     def lengths(self, tensor: str, layout: str) -> dict[int, tuple[int, ...]]:
         """{split dim: local length on each rank} of a tensor in a layout."""
         try:
@@ -114,6 +120,9 @@ def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
+        if not loc and first["type"] == "value_error":  # a consistency check (plan_checks)
+            raise PlanError(f"{source} is inconsistent: {first['msg'].removeprefix('Value error, ')}; "
+                            f"make the plan again with `hetsynth plan`") from None
         raise PlanError(f"{source} is malformed at {loc}: {first['msg']} "
                         f"({err.error_count()} error(s))") from None
 

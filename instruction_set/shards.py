@@ -132,19 +132,13 @@ class DimClasses:
 AXES = ("flat", "outer", "inner")  # split over all ranks / across nodes only / inside nodes only
 
 
-class ShardLengths:
-    """The shard lengths of every dim class at fixed ratios on a mesh, rounded once per count
-    of units and axis. `ranks` (default all) picks whose lengths are returned."""
+class Rounding:
+    """Largest-remainder splits of a count of units at fixed ratios on a mesh, memoised."""
 
-    def __init__(self, classes: DimClasses, ratios: Sequence[float], mesh: Mesh) -> None:
-        self.classes, self.ratios, self.mesh = classes, tuple(ratios), mesh
+    def __init__(self, ratios: Sequence[float], mesh: Mesh) -> None:
+        self.ratios, self.mesh = tuple(ratios), mesh
         self.inside = inside_ratios(ratios, mesh)
         self._units: dict[tuple[int, str], tuple[int, ...]] = {}
-
-    @property
-    def counts(self) -> list[int]:
-        """The distinct counts of units `root_size / unit` of the dim classes."""
-        return sorted({c.root_size // c.unit for c in self.classes.classes})
 
     def units(self, count: int, axis: str) -> tuple[int, ...]:
         """Units held by every rank when `count` units are split along `axis`: `flat` over all
@@ -165,6 +159,20 @@ class ShardLengths:
             return tuple(blocks[r // mesh.per_node] for r in range(mesh.size))
         inner = largest_remainder(self.inside, count)
         return tuple(inner[r % mesh.per_node] for r in range(mesh.size))
+
+
+class ShardLengths(Rounding):
+    """The shard lengths of every dim class at fixed ratios on a mesh, rounded once per count
+    of units and axis. `ranks` (default all) picks whose lengths are returned."""
+
+    def __init__(self, classes: DimClasses, ratios: Sequence[float], mesh: Mesh) -> None:
+        super().__init__(ratios, mesh)
+        self.classes = classes
+
+    @property
+    def counts(self) -> list[int]:
+        """The distinct counts of units `root_size / unit` of the dim classes."""
+        return sorted({c.root_size // c.unit for c in self.classes.classes})
 
     def lengths(self, tensor: str, dim: int, axis: str, ranks: Sequence[int] | None = None) -> tuple[int, ...]:
         """Local lengths of `tensor`'s `dim` split along `axis` (root units times the member's

@@ -1,0 +1,173 @@
+"""Every user mistake in a model reference, a cluster spec or a plan file is `error: ...`
+naming the offending value, exit status 2, no traceback, and nothing written or left behind
+(issue 13). One table, one row per mistake."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import hetsynth
+from hetsynth.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
+
+MODEL = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 1)
+    def forward(self, x):
+        return self.l(x).sum()
+def raises(**kw):
+    raise RuntimeError("boom in the factory")
+def module_only(**kw):
+    return M()
+def inputs_int(**kw):
+    return M(), 5
+def inputs_str(**kw):
+    return M(), (torch.zeros(3, 4), "text")
+def inputs_tensor(**kw):
+    return M(), torch.zeros(3, 4)
+def inputs_batches(**kw):
+    return M(), (torch.zeros(3, 4), torch.zeros(2, 4))
+def no_kwargs():
+    return M(), (torch.zeros(3, 4),)
+"""
+
+
+def _spec(tmp: Path, old: str, new: str) -> str:
+    text = EMULATED.read_text()
+    assert old in text, old
+    path = tmp / "spec.toml"
+    path.write_text(text.replace(old, new, 1))
+    return str(path)
+
+
+def _plan(tmp: Path, base: dict, edit: Callable[[dict], None]) -> str:
+    raw = copy.deepcopy(base)
+    edit(raw)
+    path = tmp / "edited-plan.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def _split(raw: dict, uneven: bool = False) -> list[int]:
+    """The first shard-length list of the plan (one that reads differently backwards when
+    `uneven`)."""
+    for layouts in raw["shards"].values():
+        for dims in layouts.values():
+            for lengths in dims.values():
+                if not uneven or lengths != lengths[::-1]:
+                    return lengths
+    raise AssertionError("no split in the plan")
+
+
+def _reverse(lengths: list[int]) -> None:
+    """Same sum, same per-node structure (2 x 2 mesh), not the ratios' rounding."""
+    lengths.reverse()
+
+
+def _shift(lengths: list[int]) -> None:
+    lengths[:] = [x + 1 for x in lengths]
+
+
+def _ratios(raw: dict, values: Callable[[list[float]], list[float]]) -> None:
+    raw["sharding_ratios"] = values(raw["sharding_ratios"])
+
+
+def _out(tmp: Path) -> str:
+    return str(tmp / "out" / "plan.json")
+
+
+PLAN = ["plan", "--cluster", str(EMULATED), "--model"]
+
+# (id, argv from (tmp dir, a valid plan's JSON), text the error must contain)
+CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
+    # model references: presets and overrides
+    ("hidden<0", lambda t, p: PLAN + ["gpt:tiny,hidden=-5", "-o", _out(t)], "hidden=-5: input should be greater than or equal to 1"),
+    ("hidden=0", lambda t, p: ["inspect", "--model", "gpt:tiny,hidden=0"], "hidden=0"),
+    ("heads=0", lambda t, p: ["inspect", "--model", "gpt:tiny,num_heads=0"], "num_heads=0"),
+    ("layers<0", lambda t, p: ["inspect", "--model", "bert:tiny,num_layers=-1"], "num_layers=-1"),
+    ("batch=0", lambda t, p: PLAN + ["vit:tiny,batch_size=0", "-o", _out(t)], "batch_size=0"),
+    ("batch<0", lambda t, p: ["inspect", "--model", "gpt:tiny,batch_size=-3"], "batch_size=-3"),
+    ("int dtype", lambda t, p: ["inspect", "--model", "gpt:tiny,dtype=int64"], "dtype=int64: input should be 'float16'"),
+    ("heads∤hidden", lambda t, p: ["inspect", "--model", "moe:tiny,hidden=30"], "hidden=30 is not divisible by num_heads=4"),
+    ("patch>image", lambda t, p: ["inspect", "--model", "vit:tiny,patch_size=32"], "patch_size=32 is larger than image_size=16"),
+    ("vgg image", lambda t, p: ["inspect", "--model", "vgg:tiny,image_size=16"], "image_size=16"),
+    ("one expert", lambda t, p: ["inspect", "--model", "moe:tiny,num_experts=1"], "num_experts=1"),
+    ("dropout", lambda t, p: ["inspect", "--model", "gpt:tiny,dropout=1.5"], "dropout=1.5"),
+    ("not an int", lambda t, p: ["inspect", "--model", "gpt:tiny,hidden=1.5"], "hidden=1.5: input should be a valid integer"),
+    # a user's own model file
+    ("factory raises", lambda t, p: PLAN + [f"{t}/m.py:raises", "-o", _out(t)], "raised RuntimeError: boom in the factory"),
+    ("module only", lambda t, p: ["inspect", "--model", f"{t}/m.py:module_only"], "got M"),
+    ("inputs not a tuple", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_int"], "got int"),
+    ("input not a tensor", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_str"], "example_inputs[1] is a str ('text')"),
+    ("bare tensor", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_tensor"], "got Tensor (wrap a single tensor"),
+    ("two batch sizes", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_batches"], "shapes: [(3, 4), (2, 4)]"),
+    ("unknown kwarg", lambda t, p: ["inspect", "--model", f"{t}/m.py:no_kwargs,width=3"], "no_kwargs(width='3') raised TypeError"),
+    # cluster specs
+    ("no cpu_quota", lambda t, p: PLAN[:2] + [_spec(t, "cpu-slow = 0.25\n", ""), "--model", "gpt:tiny", "-o", _out(t)],
+     "cpu_quota has no entry for device kind(s) ['cpu-slow']"),
+    ("quota of no kind", lambda t, p: ["inspect", "--cluster", _spec(t, "cpu-slow = 0.25\n", "cpu-slow = 0.25\ngpu = 1\n")],
+     "cpu_quota names unknown device kind(s) ['gpu']"),
+    ("inf throughput", lambda t, p: ["inspect", "--cluster", _spec(t, "throughput_flops = 20e9", "throughput_flops = inf")],
+     "throughput_flops = inf: Input should be a finite number"),
+    ("nan bandwidth", lambda t, p: ["inspect", "--cluster", _spec(t, "inter_node_bandwidth_gbps = 0.2", "inter_node_bandwidth_gbps = nan")],
+     "inter_node_bandwidth_gbps = nan"),
+    ("bool count", lambda t, p: ["inspect", "--cluster", _spec(t, "num_devices = 2", "num_devices = true")],
+     "num_devices = True: must be an integer >= 1"),
+    ("bool memory", lambda t, p: ["inspect", "--cluster", _spec(t, "memory_gib = 4", "memory_gib = true")],
+     "memory_gib = True: Input should be a valid number"),
+    ("text number", lambda t, p: ["inspect", "--cluster", _spec(t, "throughput_flops = 20e9", 'throughput_flops = "20e9"')],
+     "throughput_flops = '20e9'"),
+    ("1e8 devices", lambda t, p: ["inspect", "--cluster", _spec(t, "num_devices = 2", "num_devices = 100000000")],
+     "num_devices = 100000000: the spec would hold at least 100,000,000 devices; a cluster spec may hold at most 65,536"),
+    # plan files
+    ("ratios sum", lambda t, p: ["explain", _plan(t, p, lambda r: _ratios(r, lambda x: [v * 1.1 for v in x]))],
+     "sharding_ratios sum to 1.1; they must sum to 1"),
+    ("negative ratio", lambda t, p: ["run", _plan(t, p, lambda r: _ratios(r, lambda x: [-0.1, x[1] + x[0] + 0.1] + x[2:])),
+                                     "--steps", "1"], "sharding_ratios[0] = -0.1"),
+    ("lengths sum", lambda t, p: ["run", _plan(t, p, lambda r: _shift(_split(r))), "--steps", "1"], "the shard lengths add up to"),
+    ("lengths swapped", lambda t, p: ["explain", _plan(t, p, lambda r: _reverse(_split(r, uneven=True)))],
+     "are not the plan's sharding ratios rounded"),
+    ("lengths missing", lambda t, p: ["explain", _plan(t, p, lambda r: r["shards"].clear())], "the shard table has no lengths for"),
+    ("mesh", lambda t, p: ["explain", _plan(t, p, lambda r: r.update(mesh=[3, 5]))], "mesh [3, 5]: 3 x 5 must equal the cluster's 4 devices"),
+]
+
+
+@pytest.fixture(scope="module")
+def valid_plan() -> dict:
+    return json.loads(hetsynth.plan("gpt:tiny", cluster=str(EMULATED)).model_dump_json())
+
+
+@pytest.mark.parametrize("argv, needle", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], needle: str, valid_plan: dict,
+                                       tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "m.py").write_text(MODEL)
+    args = argv(tmp_path, valid_plan)
+    before = sorted(tmp_path.rglob("*"))
+    start = time.perf_counter()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err, err
+    assert "Traceback" not in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing left behind
+    assert time.perf_counter() - start < 10
+
+
+def test_hopeless_memory_fails_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt:xl's training state (23 GiB) on the emulated cluster (16 GiB): refused before the
+    search, in seconds (was 313 s)."""
+    start = time.perf_counter()
+    assert main(["plan", "--model", "gpt:xl", "--cluster", str(EMULATED), "-o", _out(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no plan fits in memory" in err and "need 23.21 GiB" in err and "hold 16 GiB in all" in err, err
+    assert time.perf_counter() - start < 15 and not (tmp_path / "out").exists()
