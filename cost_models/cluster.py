@@ -160,6 +160,26 @@ class ClusterSpec(_Frozen):
             "nodes": (node,),
         })
 
+    def scaled(self, num_nodes: int) -> "ClusterSpec":
+        """A cluster of `num_nodes` nodes like this one's, in its proportions and order (node j
+        copies node j * len(nodes) // num_nodes): hap-paper's 2 V100 + 6 P100 nodes scaled to
+        128 nodes are 32 V100 and 96 P100 nodes. For studying how planning scales."""
+        if num_nodes < 1:
+            raise ClusterSpecError(f"scaled({num_nodes}): a cluster needs at least one node")
+        kinds = {d.name: d.kind for d in self.devices}
+        nodes = []
+        for j in range(num_nodes):
+            model = self.nodes[j * len(self.nodes) // num_nodes]
+            node = model.model_dump(exclude_none=True) | {"name": f"{model.name}.{j}"}
+            node["devices"] = [{"name": f"{node['name']}/{i}", "kind": kinds[d]} for i, d in enumerate(model.devices)]
+            nodes.append(node)
+        raw = self.model_dump(exclude_none=True, exclude={"nodes", "devices", "calibration"})
+        raw["devices"] = [d for node in nodes for d in node["devices"]]
+        for node in nodes:
+            node["devices"] = [d["name"] for d in node["devices"]]
+        return cluster_from_dict(raw | {"name": f"{self.name}x{num_nodes}", "nodes": nodes},
+                                 source=f"{self.name} scaled to {num_nodes} nodes")
+
     def first(self, num_devices: int) -> "ClusterSpec":
         """The sub-cluster of the first `num_devices` devices (in rank order)."""
         if not 1 <= num_devices <= self.num_devices:
