@@ -13,24 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetsynth.zoo.config import Count, FloatDType, Fraction, Pair, Probability, heads_divide_hidden, zoo_config
+from hetsynth.zoo.config import Fraction, Pair, Probability, TokenModel, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style, seeded_generator
 
 
 @zoo_config
-class BERTConfig:
+class BERTConfig(TokenModel):
     vocab_size: Pair = 64  # token 0 is [MASK]
-    seq_len: Count = 16
-    num_layers: Count = 2
-    hidden: Count = 32
-    num_heads: Count = 4
-    ffn_hidden: Count = 128
-    batch_size: Count = 8
     mask_prob: Probability = 0.15
     dropout: Fraction = 0.0
-    dtype: FloatDType = "float32"
-
-    _heads = heads_divide_hidden
 
 
 PRESETS: dict[str, dict] = {

@@ -36,8 +36,27 @@ def _check_heads(cfg: object) -> object:
     return cfg
 
 
-# Assign in a config's body (`_heads = heads_divide_hidden`) to validate hidden % num_heads.
-heads_divide_hidden = model_validator(mode="after")(_check_heads)
+@zoo_config
+class TransformerStack:
+    """What every transformer preset has: the layer stack, the batch and the dtype."""
 
-__all__ = ["Count", "FloatDType", "Fraction", "NonNegative", "Pair", "Positive", "Probability",
-           "heads_divide_hidden", "zoo_config"]
+    num_layers: Count = 2
+    hidden: Count = 32
+    num_heads: Count = 4
+    ffn_hidden: Count = 128
+    batch_size: Count = 8
+    dtype: FloatDType = "float32"
+
+    _heads = model_validator(mode="after")(_check_heads)
+
+
+@zoo_config
+class TokenModel(TransformerStack):
+    """A transformer over token sequences."""
+
+    vocab_size: Count = 64
+    seq_len: Count = 16
+
+
+__all__ = ["Count", "FloatDType", "Fraction", "NonNegative", "Pair", "Positive", "Probability", "TokenModel",
+           "TransformerStack", "zoo_config"]

@@ -11,23 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetsynth.zoo.config import Count, FloatDType, Fraction, heads_divide_hidden, zoo_config
+from hetsynth.zoo.config import Fraction, TokenModel, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style, seeded_generator
 
 
 @zoo_config
-class GPTConfig:
-    vocab_size: Count = 64
-    seq_len: Count = 16
-    num_layers: Count = 2
-    hidden: Count = 32
-    num_heads: Count = 4
-    ffn_hidden: Count = 128
-    batch_size: Count = 8
+class GPTConfig(TokenModel):
     dropout: Fraction = 0.0
-    dtype: FloatDType = "float32"
-
-    _heads = heads_divide_hidden
 
 
 PRESETS: dict[str, dict] = {

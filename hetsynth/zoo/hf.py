@@ -13,21 +13,12 @@ from torch import nn
 
 from hetsynth.zoo import bert as zoo_bert
 from hetsynth.zoo import gpt as zoo_gpt
-from hetsynth.zoo.config import Count, FloatDType, heads_divide_hidden, zoo_config
+from hetsynth.zoo.config import TokenModel, zoo_config
 
 
 @zoo_config
-class HFConfig:
-    vocab_size: Count = 64
-    seq_len: Count = 16
-    num_layers: Count = 2
-    hidden: Count = 32
-    num_heads: Count = 4
-    ffn_hidden: Count = 128
-    batch_size: Count = 8
-    dtype: FloatDType = "float32"
-
-    _heads = heads_divide_hidden
+class HFConfig(TokenModel):
+    """GPT2LMHeadModel / BertForMaskedLM sizes (no dropout: the models are built with none)."""
 
 
 PRESETS: dict[str, dict] = {

@@ -24,28 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetsynth.zoo.config import (Count, FloatDType, Fraction, NonNegative, Pair, Positive, heads_divide_hidden,
-                                  zoo_config)
+from hetsynth.zoo.config import Count, Fraction, NonNegative, Pair, Positive, TokenModel, zoo_config
 from hetsynth.zoo.gpt import make_batch as gpt_batch
 from hetsynth.zoo.layers import SelfAttention, init_gpt_style
 
 
 @zoo_config
-class MoEConfig:
-    vocab_size: Count = 64
-    seq_len: Count = 16
-    num_layers: Count = 2
-    hidden: Count = 32
-    num_heads: Count = 4
+class MoEConfig(TokenModel):
     ffn_hidden: Count = 64
     num_experts: Pair = 4  # top-2 gating
     capacity_factor: Positive = 1.25
     aux_weight: NonNegative = 0.01
-    batch_size: Count = 8
     dropout: Fraction = 0.0
-    dtype: FloatDType = "float32"
-
-    _heads = heads_divide_hidden
 
     @property
     def capacity(self) -> int:

@@ -12,25 +12,17 @@ import torch.nn.functional as F
 from pydantic import model_validator
 from torch import nn
 
-from hetsynth.zoo.config import Count, FloatDType, Fraction, heads_divide_hidden, zoo_config
+from hetsynth.zoo.config import Count, Fraction, TransformerStack, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style, seeded_generator
 
 
 @zoo_config
-class ViTConfig:
+class ViTConfig(TransformerStack):
     image_size: Count = 16
     patch_size: Count = 4
     channels: Count = 3
     num_classes: Count = 10
-    num_layers: Count = 2
-    hidden: Count = 32
-    num_heads: Count = 4
-    ffn_hidden: Count = 128
-    batch_size: Count = 8
     dropout: Fraction = 0.0
-    dtype: FloatDType = "float32"
-
-    _heads = heads_divide_hidden
 
     @model_validator(mode="after")
     def _patches(self) -> "ViTConfig":
