@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cost_models.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
-from instruction_set.plan_checks import check_plan
+from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
 
 PLAN_VERSION = 1
@@ -83,7 +83,7 @@ class Plan(_Frozen):
                                                "(1, devices) when only one-level layouts are used")
     graph: ReferenceGraph
     sharding_ratios: tuple[float, ...]
-    shards: dict[str, dict[str, dict[int, tuple[int, ...]]]] = Field(
+    shards: ShardTable = Field(
         description="tensor -> layout -> split dim -> local length on each rank")
     instructions: tuple[Instruction, ...]
     predicted: Prediction
@@ -92,7 +92,10 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
-        check_plan(self)  # instruction_set.plan_checks
+        check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,
+                             node_sizes=tuple(len(n.devices) for n in self.cluster.nodes), graph=self.graph,
+                             shards=self.shards, instructions=self.instructions,
+                             num_predicted=len(self.predicted.devices)))  # instruction_set.plan_checks
         return self
 
     def lengths(self, tensor: str, layout: str) -> dict[int, tuple[int, ...]]:

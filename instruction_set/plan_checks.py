@@ -23,16 +23,35 @@ Each failure raises ValueError naming the tensor, layout or field and the number
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
+from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import axes, is_shard, is_two_level, shard_dim, sharded_dims, validate
 from instruction_set.mesh import Mesh
+from instruction_set.program import Instruction
 from instruction_set.shards import Rounding
 
-if TYPE_CHECKING:
-    from instruction_set.plan import Plan
+ShardTable = dict[str, dict[str, dict[int, tuple[int, ...]]]]  # tensor -> layout -> dim -> lengths
 
 RATIO_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class PlanParts:
+    """What the checks read of a plan (instruction_set.plan fills it in)."""
+
+    ratios: tuple[float, ...]
+    mesh: tuple[int, int]
+    node_sizes: tuple[int, ...]  # devices per node of the plan's cluster
+    graph: ReferenceGraph
+    shards: ShardTable
+    instructions: tuple[Instruction, ...]
+    num_predicted: int  # devices in the prediction
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.node_sizes)
 
 
 def check_ratios(ratios: Sequence[float], num_devices: int) -> None:
@@ -46,12 +65,12 @@ def check_ratios(ratios: Sequence[float], num_devices: int) -> None:
                          f"(within {RATIO_TOLERANCE:g})")
 
 
-def check_mesh(plan: "Plan") -> None:
+def check_mesh(plan: PlanParts) -> None:
     nodes, per_node = plan.mesh
-    n = plan.cluster.num_devices
+    n = plan.num_devices
     if nodes < 1 or per_node < 1 or nodes * per_node != n:
         raise ValueError(f"mesh {list(plan.mesh)}: {nodes} x {per_node} must equal the cluster's {n} devices")
-    sizes = [len(node.devices) for node in plan.cluster.nodes]
+    sizes = list(plan.node_sizes)
     if nodes > 1 and sizes != [per_node] * nodes:
         raise ValueError(f"mesh {list(plan.mesh)}: the cluster's nodes hold {sizes} devices; a two-level "
                          f"mesh needs {nodes} nodes of {per_node}")
@@ -104,10 +123,10 @@ def _check_rounding(where: str, lengths: Sequence[int], size: int, axis: str, ro
                      f"(in units of {g}: {expected[:16]})")
 
 
-def check_shards(plan: "Plan") -> None:
+def check_shards(plan: PlanParts) -> None:
     shapes = {node.name: node.outputs[0].shape for node in plan.graph.nodes if node.outputs}
-    n = plan.cluster.num_devices
-    rounding = Rounding(plan.sharding_ratios, Mesh(plan.mesh[0], plan.mesh[1], plan.mesh[0] > 1))
+    n = plan.num_devices
+    rounding = Rounding(plan.ratios, Mesh(plan.mesh[0], plan.mesh[1], plan.mesh[0] > 1))
     for tensor, layouts in plan.shards.items():
         if tensor not in shapes:
             raise ValueError(f"shards[{tensor!r}]: no tensor of that name in the plan's graph")
@@ -126,7 +145,7 @@ def check_shards(plan: "Plan") -> None:
                 _check_rounding(at, lengths, shape[dim], axis, rounding)
 
 
-def _used_layouts(plan: "Plan") -> list[tuple[str, str, str]]:
+def _used_layouts(plan: PlanParts) -> list[tuple[str, str, str]]:
     """(tensor, layout, instruction) of every layout an instruction reads or writes."""
     inputs = {node.name: node.inputs for node in plan.graph.nodes}
     out = []
@@ -141,7 +160,7 @@ def _used_layouts(plan: "Plan") -> list[tuple[str, str, str]]:
     return out
 
 
-def check_instructions(plan: "Plan") -> None:
+def check_instructions(plan: PlanParts) -> None:
     names = {node.name for node in plan.graph.nodes}
     for tensor, layout, what in _used_layouts(plan):
         if tensor not in names:
@@ -150,12 +169,11 @@ def check_instructions(plan: "Plan") -> None:
             raise ValueError(f"instruction {what}: the shard table has no lengths for {tensor}:{layout}")
 
 
-def check_plan(plan: "Plan") -> None:
+def check_plan(plan: PlanParts) -> None:
     """Every check above, ratios first."""
-    check_ratios(plan.sharding_ratios, plan.cluster.num_devices)
+    check_ratios(plan.ratios, plan.num_devices)
     check_mesh(plan)
     check_shards(plan)
     check_instructions(plan)
-    if len(plan.predicted.devices) != plan.cluster.num_devices:
-        raise ValueError(f"predicted.devices has {len(plan.predicted.devices)} entries for "
-                         f"{plan.cluster.num_devices} devices")
+    if plan.num_predicted != plan.num_devices:
+        raise ValueError(f"predicted.devices has {plan.num_predicted} entries for {plan.num_devices} devices")
