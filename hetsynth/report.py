@@ -127,7 +127,7 @@ def _ratio_rows(plan: Plan) -> list[list[Any]]:
         rows.setdefault(device.kind, []).append(ratio)
     out = []
     for kind, ratios in rows.items():
-        each = f"{min(ratios):.4f}" if max(ratios) - min(ratios) < 1e-4 else f"{min(ratios):.4f}-{max(ratios):.4f}"
+        each = f"{min(ratios):.4g}" if max(ratios) - min(ratios) < 1e-9 else f"{min(ratios):.4g}-{max(ratios):.4g}"
         out.append([kind, len(ratios), each, f"{sum(ratios):.3f}", sum(1 for r in ratios if r < 1e-9)])
     return out
 

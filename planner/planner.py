@@ -141,6 +141,9 @@ def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[flo
     """A* with the seeds' best cost as incumbent; the search's program if cheaper, else the
     seed. A restricted search (forced layouts, for tests) has no seeds."""
     pb = Problem(graph, cluster, ratios, restrictions, memory_weight=memory_weight)
+    if progress:
+        log.info("round %d: searching %d ops on %d devices in %d classes of interchangeable devices",
+                 stats.rounds, len(pb.order), cluster.num_devices, pb.width)
     if restrictions is not None:
         found = synthesize(pb, width=width, progress=progress)
         _count(stats, found)
