@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -163,6 +164,8 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
     check_training_state_fits(graph, cluster)
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
+    log.info("planning %s (%d ops) for %s (%d devices)", graph.model_ref, len(graph.calls), cluster.name,
+             cluster.num_devices)
     stats, weight, best = _Stats(), 0.0, None
     for attempt in range(MEMORY_ATTEMPTS):
         candidate = _alternate(graph, cluster, start, fixed, width, progress, weight, stats, max_rounds,
@@ -203,8 +206,8 @@ def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ..
     if len(ratios) != cluster.num_devices:
         raise ValueError(f"{len(ratios)} ratios given for {cluster.num_devices} devices "
                          f"({', '.join(d.name for d in cluster.devices)})")
-    if any(r < 0 for r in ratios) or sum(ratios) <= 0:
-        raise ValueError(f"ratios must be >= 0 with a positive sum, got {list(ratios)}")
+    if not all(math.isfinite(r) and r >= 0 for r in ratios) or sum(ratios) <= 0:
+        raise ValueError(f"ratios must be finite, >= 0 and have a positive sum, got {list(ratios)}")
     return tuple(r / sum(ratios) for r in ratios)
 
 
@@ -254,8 +257,6 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests)."""
     start = time.perf_counter()
-    log.info("planning %s (%d ops) for %s (%d devices)", graph.model_ref, len(graph.calls), cluster.name,
-             cluster.num_devices)
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
                               restrictions=restrictions)
     seconds = time.perf_counter() - start

@@ -113,6 +113,9 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("bare tensor", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_tensor"], "got Tensor (wrap a single tensor"),
     ("two batch sizes", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_batches"], "shapes: [(3, 4), (2, 4)]"),
     ("unknown kwarg", lambda t, p: ["inspect", "--model", f"{t}/m.py:no_kwargs,width=3"], "no_kwargs(width='3') raised TypeError"),
+    ("nan ratio", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "nan,1,1,1", "-o", _out(t)],
+     "ratios must be finite, >= 0 and have a positive sum, got [nan, 1.0, 1.0, 1.0]"),
+    ("ratios for 3", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "1,1,1", "-o", _out(t)], "3 ratios given for 4 devices"),
     # cluster specs
     ("no cpu_quota", lambda t, p: PLAN[:2] + [_spec(t, "cpu-slow = 0.25\n", ""), "--model", "gpt:tiny", "-o", _out(t)],
      "cpu_quota has no entry for device kind(s) ['cpu-slow']"),
