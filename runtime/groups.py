@@ -5,16 +5,20 @@
     outer   the ranks with my local index        (mesh column: one rank per node)
 
 `torch.distributed.new_group` must be called by every rank for every group in the same order,
-so all groups are created together here. `Groups` also answers which member of a group a rank
+so all groups are created together here. Every group gets the collective timeout of `world`
+(the run's `--timeout`): `new_group` without `timeout=` would use torch's 30-minute default, and
+a rank stuck in a node or cross-node collective would hang the run for that long. `Groups` also answers which member of a group a rank
 is; `Groups.local_only` builds the same description without process groups (for code
 generation on one machine, `hetsynth explain`).
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from instruction_set.mesh import Mesh
@@ -28,16 +32,18 @@ class Groups:
     handles: dict[str, Any]  # axis -> ProcessGroup (None when built without a process group)
 
     @staticmethod
-    def create(mesh: Mesh, rank: int, *, world: Any) -> "Groups":
-        """Create the node and cross-node groups (collective: every rank calls it)."""
+    def create(mesh: Mesh, rank: int, *, world: Any, timeout: datetime.timedelta | None = None) -> "Groups":
+        """Create the node and cross-node groups (collective: every rank calls it), with
+        `timeout` (default: the timeout `world` was created with)."""
         handles: dict[str, Any] = {"all": world}
         if mesh.two_level:
+            timeout = timeout or group_timeout(world)
             for node in range(mesh.num_nodes):
-                g = dist.new_group(list(mesh.node_ranks(node)))
+                g = dist.new_group(list(mesh.node_ranks(node)), timeout=timeout)
                 if mesh.node(rank) == node:
                     handles["inner"] = g
             for local in range(mesh.per_node):
-                g = dist.new_group(list(mesh.cross_ranks(local)))
+                g = dist.new_group(list(mesh.cross_ranks(local)), timeout=timeout)
                 if mesh.local(rank) == local:
                     handles["outer"] = g
         return Groups(mesh, rank, handles)
@@ -64,3 +70,10 @@ class Groups:
         """My whole group along `axis`, nothing split (what an all-reduce needs)."""
         members = tuple(self.members(axis))
         return Span(self.group(axis), members, self.index(axis), 0, (0,) * len(members))
+
+
+def group_timeout(group: Any) -> datetime.timedelta:
+    """The collective timeout a process group was created with (torch has no public getter:
+    its backend's options carry it, for gloo and NCCL alike)."""
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout

@@ -120,3 +120,15 @@ def test_all_reduce(pools, world: int, hierarchical: bool) -> None:
 
 def test_slice_and_partial_backward(pools) -> None:
     assert max(pools.get(2).run(local_case)) < 1e-12
+
+
+def group_timeouts(rank: int, world: int) -> list[float]:
+    from runtime.groups import group_timeout
+
+    groups = Groups.create(Mesh(2, world // 2, True), rank, world=dist.group.WORLD)
+    return [group_timeout(groups.group(a)).total_seconds() for a in ("all", "inner", "outer")]
+
+
+def test_node_and_cross_node_groups_get_the_run_timeout(pools) -> None:
+    """new_group without timeout= would give the node groups torch's 30-minute default."""
+    assert pools.get(4).run(group_timeouts) == [[60.0] * 3] * 4
