@@ -1,5 +1,6 @@
-"""The `hetsynth` command line: inspect, demo (plan, run, explain and profile come with their
-issues). User errors print `error: ...` and exit with status 2."""
+"""The `hetsynth` command line (COMMANDS). User errors print `error: ...` and exit with status
+2; a run that fails prints `error: ...` naming the failed rank and exits with status 1. Every
+command first removes what dead runs left behind (runtime.runstate)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,22 @@ def show_progress() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.emulation import EmulationError
+    from runtime.launch import RunFailed
+
     args = build_parser().parse_args(argv)
     show_progress()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][1]
+    if args.command != "cleanup":
+        remove_dead_runs()
     try:
         return run(args)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (RunFailed, EmulationError) as err:  # the run failed, not the user: status 1
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -52,3 +61,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
+
+
+def remove_dead_runs() -> None:
+    """What runs killed before they could clean up left behind (runtime.runstate), removed
+    before every command; a note says what."""
+    from runtime.runstate import remove_dead_runs as remove
+
+    try:
+        for line in remove():
+            print(f"note: {line}", file=sys.stderr)
+    except OSError as err:
+        print(f"note: could not remove what dead runs left ({err}); see `hetsynth cleanup`", file=sys.stderr)

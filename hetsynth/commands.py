@@ -7,6 +7,7 @@ import json
 
 from hetsynth import capture_model
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
+from runtime.outputs import check_outputs
 
 
 def _print_json(data: object) -> None:
@@ -72,6 +73,7 @@ def plan_run(args: argparse.Namespace) -> int:
     import hetsynth
     from hetsynth.report import instruction_mix, plan_summary_text
 
+    check_outputs({"-o": args.output})  # before the synthesis it would throw away
     plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
@@ -96,30 +98,30 @@ def run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="also train the single-device model and compare losses and parameters")
     p.add_argument("--tolerance", type=float, default=1e-6, help="for --check (relative loss, abs params)")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a rank may make no progress (a collective that does not complete, no "
+                        "heartbeat) before the run stops, naming it")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save", help="write a checkpoint at the end")
-    p.add_argument("--resume", help="start from a checkpoint (any plan's)")
+    p.add_argument("--save", help="write a checkpoint at the end (it holds the steps trained: --steps)")
+    p.add_argument("--resume", help="continue from a checkpoint (any plan's) up to --steps, which must be "
+                                    "more than the checkpoint's step")
     p.add_argument("--report", help="write the run's JSON report here")
 
 
 def run_run(args: argparse.Namespace) -> int:
-    import tempfile
-
     import hetsynth
     from instruction_set.plan import load_plan
-    from runtime.launch import RunOptions, run
+    from runtime.launch import RunOptions, preflight, run
 
     plan, path = load_plan(args.plan), args.plan
-    if args.devices is not None and args.devices != plan.cluster.num_devices:
-        plan = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices))
-        path = tempfile.mkstemp(prefix="hetsynth-plan-", suffix=".json")[1]
-        hetsynth.save_plan(plan, path)
-        print(f"planned {plan.model.ref} again for the first {args.devices} devices -> {path}")
     opts = RunOptions(steps=args.steps, optimizer=args.optimizer, lr=args.lr, timeout_s=args.timeout,
                       check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
                       report=args.report)
+    preflight(plan, opts)  # output paths and checkpoint, before any planning or training
+    if args.devices is not None and args.devices != plan.cluster.num_devices:
+        plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
+        print(f"planned {plan.model.ref} again for the first {args.devices} devices")
     return run(plan, path, opts)
 
 
@@ -154,7 +156,7 @@ def profile_run(args: argparse.Namespace) -> int:
     from runtime.launch import launch_checked
 
     cluster = load_cluster(args.cluster)
-    output = os.path.abspath(args.output)
+    output = str(check_outputs({"-o": args.output, "--records": args.records})["-o"])
     launch_checked(cluster, ["-m", "runtime.profile_worker", "--cluster", os.path.abspath(args.cluster),
                              "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
                              "--max-bytes", str(args.max_bytes),
@@ -184,6 +186,26 @@ def demo_run(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cleanup_args(p: argparse.ArgumentParser) -> None:
+    """remove what dead runs left behind: processes, network namespaces, veths, cgroups, temp directories"""
+    p.add_argument("--unrecorded", action="store_true",
+                   help="also remove emulated clusters that no run recorded and whose process is gone "
+                        "(left by hetsynth versions before run records)")
+
+
+def cleanup_run(args: argparse.Namespace) -> int:
+    from runtime import emulation, runstate
+
+    removed = runstate.remove_dead_runs()
+    if args.unrecorded and emulation.unavailable() is None:
+        removed += [f"removed unrecorded {what}" for what in emulation.remove_unrecorded()]
+    for line in removed or ["nothing left behind by dead runs"]:
+        print(line)
+    for line in runstate.live_runs():
+        print(line)
+    return 0
+
+
 COMMANDS = {
     "inspect": (inspect_args, inspect_run),
     "plan": (plan_args, plan_run),
@@ -191,4 +213,5 @@ COMMANDS = {
     "explain": (explain_args, explain_run),
     "profile": (profile_args, profile_run),
     "demo": (demo_args, demo_run),
+    "cleanup": (cleanup_args, cleanup_run),
 }

@@ -2,12 +2,20 @@
 
 save  every rank sends its slices of the parameters and of their optimizer state to rank 0
       (gather_object), which reassembles whole tensors and writes one file:
-        {"format": 1, "model_ref", "step",
+        {"format": 1, "model_ref", "step": the number of steps trained,
          "model": the model's state_dict (loadable into the plain single-device module,
                   tied names included),
-         "optimizer": {"kind", "state": {name: {"step", "exp_avg", "exp_avg_sq" | "momentum_buffer"}}}}
+         "optimizer": {"kind", "settings": {"lr", "weight_decay"},
+                       "state": {name: {"step", "exp_avg", "exp_avg_sq" | "momentum_buffer"}}}}
 load  every rank reads the file and takes its own slices under *its* plan, which may have
       other ratios, layouts or world size than the plan that saved it.
+
+`read_checkpoint` + `check_resume` validate a checkpoint before any rank starts (the launcher)
+and again on every rank: a file torch cannot read (corrupt, truncated, not a checkpoint), a
+target step at or before the checkpoint's (resuming continues from its step to `--steps`), an
+optimizer of another kind or other settings (its state would not mean the same), and
+parameters missing or of other shapes are CheckpointErrors naming the file and the values.
+Files are read with `weights_only=True` (tensors and plain data only: no code runs on load).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch.distributed as dist
 
 from instruction_set.plan import Plan
 from runtime.codegen import local_slice
-from runtime.train import Trainer, assemble
+from runtime.train import TrainConfig, Trainer, assemble
 
 FORMAT = 1
 
@@ -63,7 +71,8 @@ def save_checkpoint(trainer: Trainer, path: str | Path, step: int) -> None:
         params, optim = _assemble_state(trainer.plan, gathered)  # type: ignore[arg-type]
         torch.save({"format": FORMAT, "model_ref": trainer.plan.model.ref, "step": step,
                     "model": _model_state_dict(trainer, params),
-                    "optimizer": {"kind": trainer.config.optimizer, "state": optim}}, path)
+                    "optimizer": {"kind": trainer.config.optimizer, "settings": optimizer_settings(trainer.config),
+                                  "state": optim}}, path)
     dist.barrier(group=group)
 
 
@@ -82,26 +91,80 @@ def _model_state_dict(trainer: Trainer, params: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def load_checkpoint(trainer: Trainer, path: str | Path) -> int:
-    """Take this rank's slices of a checkpoint under this trainer's plan; returns the step."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {FORMAT}")
+def optimizer_settings(config: TrainConfig) -> dict[str, float]:
+    """The optimizer settings a checkpoint's state depends on (resuming must use the same)."""
+    return {"lr": config.lr, "weight_decay": config.weight_decay}
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A hetsynth checkpoint, or CheckpointError saying why `path` is not one."""
+    where = f"--resume {str(path)!r}"
+    if Path(path).is_dir():
+        raise CheckpointError(f"{where}: is a directory, not a checkpoint file")
+    if not Path(path).exists():
+        raise CheckpointError(f"{where}: no such file")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # whatever torch says about a file it cannot read
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{where}: not a checkpoint torch can read ({why})") from None
+    keys = {"format", "step", "model", "optimizer"}
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or not keys <= set(ckpt):
+        found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"{where}: not a hetsynth checkpoint of format {FORMAT} (found {found!r}; "
+                              f"hetsynth run --save writes them)")
+    return ckpt
+
+
+def check_resume(ckpt: dict[str, Any], path: str | Path, plan: Plan, config: TrainConfig,
+                 steps: int | None = None) -> int:
+    """The step `ckpt` holds, after checking that it can resume training `plan` with
+    `config` up to `steps` (see the module docstring)."""
+    where, step = f"--resume {str(path)!r}", int(ckpt["step"])
+    if steps is not None and steps <= step:
+        raise CheckpointError(f"{where} holds step {step}; --steps {steps} is not after it: give --steps more "
+                              f"than {step} (the run continues with step {step + 1})")
+    kind = ckpt["optimizer"].get("kind")
+    if kind != config.optimizer:
+        raise CheckpointError(f"{where} was trained with --optimizer {kind}, not {config.optimizer}: its optimizer "
+                              f"state does not fit; resume with --optimizer {kind}")
+    saved, now = ckpt["optimizer"].get("settings", {}), optimizer_settings(config)
+    differ = [f"{k} {now[k]:g} (checkpoint {saved[k]:g})" for k in now if k in saved and saved[k] != now[k]]
+    if differ:
+        raise CheckpointError(f"{where}: optimizer settings differ: {', '.join(differ)}; resume with the "
+                              f"checkpoint's settings")
+    _check_params(ckpt, where, plan)
+    return step
+
+
+def _check_params(ckpt: dict[str, Any], where: str, plan: Plan) -> None:
+    bad = []
+    for node in plan.graph.params:
+        full = ckpt["model"].get(node.fqn)
+        if full is None:
+            bad.append(f"{node.fqn}: missing")
+        elif tuple(full.shape) != tuple(node.out.shape):
+            bad.append(f"{node.fqn}: checkpoint shape {tuple(full.shape)}, model {tuple(node.out.shape)}")
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(f"{where} does not fit the model (checkpoint {ckpt.get('model_ref')!r}, training "
+                              f"{plan.model.ref!r}): {'; '.join(bad[:3])}{more}")
+
+
+def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None) -> int:
+    """Take this rank's slices of a checkpoint under this trainer's plan (checked first,
+    against `steps` too when given); returns the step it holds."""
+    ckpt = read_checkpoint(path)
+    step = check_resume(ckpt, path, trainer.plan, trainer.config, steps)
     plan, rank, module = trainer.plan, trainer.groups.rank, trainer.program.module
     for p in trainer.program.params:
-        if p.fqn not in ckpt["model"]:
-            raise CheckpointError(f"{path} has no parameter {p.fqn!r} (model {ckpt.get('model_ref')!r}, "
-                                  f"training {plan.model.ref!r})")
         param = getattr(module, p.name)
         full = ckpt["model"][p.fqn]
-        if tuple(full.shape) != tuple(plan.graph.node(p.name).out.shape):
-            raise CheckpointError(f"{p.fqn}: checkpoint shape {tuple(full.shape)}, model "
-                                  f"{tuple(plan.graph.node(p.name).out.shape)}")
         with torch.no_grad():
             param.copy_(local_slice(plan, p.name, p.layout, rank, full))
         state = ckpt["optimizer"]["state"].get(p.fqn, {})
-        trainer.optimizer.state[param] = {
+        trainer.optimizer.state[param] = {  # copies: the file is memory-mapped
             k: (local_slice(plan, p.name, p.layout, rank, v).clone().to(param.device)
-                if torch.is_tensor(v) and v.dim() > 0 else v)
+                if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
             for k, v in state.items()}
-    return int(ckpt["step"])
+    return step

@@ -13,10 +13,13 @@ From a cluster spec with an `emulation` section:
   its group and pins itself to one CPU (the CPUs are assigned so that the quotas on each add
   up evenly), with one torch thread.
 
-`Emulation.start()` builds it, `stop()` removes everything (processes in its cgroups are
-killed first); use it as a context manager so that happens on errors, Ctrl-C and SIGTERM too.
-`cleanup_stale()` removes what runs that died left behind. Without root, `unavailable()`
-says why, and callers run plain local processes instead (correctness only).
+`Emulation.start()` builds it, `stop()` removes everything (processes in its cgroups and
+namespaces are killed first); use it as a context manager so that happens on errors, Ctrl-C
+and SIGTERM too. Every namespace, veth and cgroup is recorded in a run state file before it
+is created (runtime.runstate), so what a SIGKILLed run leaves is removed by the next
+`hetsynth` command. The run's name is `hse<pid>` (a letter appended while that name is
+taken), so a leftover of an older run never collides with a new one. Without root,
+`unavailable()` says why, and callers run plain local processes instead (correctness only).
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cost_models.cluster import ClusterSpec
+
+if TYPE_CHECKING:
+    from runtime.runstate import RunRecord
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PREFIX = "hse"
@@ -75,9 +82,10 @@ def assign_cpus(quotas: list[float], num_cpus: int) -> list[int]:
 @dataclass
 class Emulation:
     spec: ClusterSpec
-    run: str = field(default_factory=lambda: f"{PREFIX}{os.getpid() % 100000}")
-    created_ns: list[str] = field(default_factory=list)
-    created_cgroups: list[Path] = field(default_factory=list)
+    record: "RunRecord | None" = None  # where to record what it creates (default: its own)
+    run: str = ""
+    created: list[tuple[str, str]] = field(default_factory=list)
+    _own_record: bool = False
 
     # -- description ------------------------------------------------------------------------
     @property
@@ -113,9 +121,15 @@ class Emulation:
 
     # -- building and removing ----------------------------------------------------------------
     def start(self) -> "Emulation":
+        from runtime.runstate import RunRecord
+
         reason = unavailable()
         if reason:
             raise EmulationError(f"cannot emulate {self.spec.name!r}: {reason}")
+        self.quotas()  # a spec without a quota for some device kind fails before anything exists
+        if self.record is None:
+            self.record, self._own_record = RunRecord.open(), True
+        self.run = self.run or free_name(len(self.spec.nodes))
         try:
             self._network()
             self._cgroups()
@@ -124,20 +138,26 @@ class Emulation:
             raise
         return self
 
+    def _create(self, kind: str, name: str, *commands: tuple[str, ...]) -> None:
+        """Record `name`, then run the commands that create it."""
+        assert self.record is not None
+        self.record.add(kind, name)
+        self.created.append((kind, name))
+        for cmd in commands:
+            sh(*cmd)
+
     def _network(self) -> None:
         sw = self.switch
-        sh("ip", "netns", "add", sw)
-        self.created_ns.append(sw)
+        self._create("netns", sw, ("ip", "netns", "add", sw))
         sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", sw, "link", "set", "br0", "up")
         for i, ns in enumerate(self.namespaces):
             self._node(i, ns)
 
     def _node(self, i: int, ns: str) -> None:
-        sh("ip", "netns", "add", ns)
-        self.created_ns.append(ns)
+        self._create("netns", ns, ("ip", "netns", "add", ns))
         a, b = f"{self.run}a{i}", f"{self.run}b{i}"
-        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        self._create("veth", a, ("ip", "link", "add", a, "type", "veth", "peer", "name", b))
         sh("ip", "link", "set", a, "netns", ns)
         sh("ip", "link", "set", b, "netns", self.switch)
         sh("ip", "-n", ns, "link", "set", a, "name", IFACE)
@@ -156,27 +176,30 @@ class Emulation:
         assert self.spec.emulation is not None
         period = self.spec.emulation.period_us
         root = CGROUP_CPU / self.run
-        root.mkdir(exist_ok=True)
-        self.created_cgroups.append(root)
+        self._create("cgroup", str(root))
+        root.mkdir()
         for rank, quota in enumerate(self.quotas()):
             group = self.cgroup(rank)
-            group.mkdir(exist_ok=True)
-            self.created_cgroups.insert(0, group)
+            self._create("cgroup", str(group))
+            group.mkdir()
             (group / "cpu.cfs_period_us").write_text(str(period))
             (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(quota * period))))
 
     def stop(self) -> None:
-        for group in self.created_cgroups:
-            _kill_members(group)
-        for group in self.created_cgroups:
-            _rmdir(group)
-        for ns in reversed(self.created_ns):
-            sh("ip", "netns", "del", ns, check=False)
-        self.created_cgroups.clear()
-        self.created_ns.clear()
+        """Remove everything created (processes in it killed first), newest first."""
+        from runtime.runstate import remove
+
+        remove([[k, n] for k, n in self.created])
+        if self.record is not None:
+            for kind, name in self.created:
+                self.record.forget(kind, name)
+            if self._own_record:
+                self.record.close()
+                self.record, self._own_record = None, False
+        self.created.clear()
 
     def __enter__(self) -> "Emulation":
-        self._handlers = _exit_on_signals()
+        self._handlers = exit_on_signals()
         try:
             return self.start()
         except BaseException:
@@ -187,8 +210,7 @@ class Emulation:
         try:
             self.stop()
         finally:
-            for sig, handler in getattr(self, "_handlers", {}).items():
-                signal.signal(sig, handler)
+            restore_signals(getattr(self, "_handlers", {}))
 
     def in_node(self, node: int, cmd: list[str]) -> list[str]:
         """Run `cmd` in a node's network namespace. nsenter switches only the network
@@ -200,15 +222,20 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _exit_on_signals() -> dict[int, object]:
-    """SIGTERM and SIGHUP raise SystemExit while an emulation is up (as Ctrl-C raises
-    KeyboardInterrupt), so `finally` removes it; returns the previous handlers (none off
-    the main thread, where handlers cannot be set)."""
+def exit_on_signals() -> dict[int, object]:
+    """SIGTERM and SIGHUP raise SystemExit while an emulation or a run is up (as Ctrl-C
+    raises KeyboardInterrupt), so `finally` removes it; returns the previous handlers (none
+    off the main thread, where handlers cannot be set)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def restore_signals(handlers: dict[int, object]) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _kill_members(group: Path) -> None:
@@ -234,6 +261,32 @@ def _rmdir(group: Path) -> None:
     raise EmulationError(f"cannot remove cgroup {group}: still busy")
 
 
+def remove_cgroup(path: str) -> None:
+    """Kill the processes in a cgroup and remove it (its children first)."""
+    group = Path(path)
+    for child in sorted(group.glob("r*"), reverse=True) if group.is_dir() else []:
+        remove_cgroup(str(child))
+    _kill_members(group)
+    _rmdir(group)
+
+
+def remove_namespace(name: str) -> None:
+    """Kill the processes in a network namespace (torchrun agents live there) and delete it."""
+    for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sh("ip", "netns", "del", name, check=False)
+
+
+def remove_link(name: str) -> None:
+    """Delete a veth still in this namespace (it is moved into a node's namespace right after
+    it is made, and goes with that namespace)."""
+    if sh("ip", "link", "show", name, check=False).returncode == 0:
+        sh("ip", "link", "del", name, check=False)
+
+
 def join_device() -> None:
     """In a worker: join this rank's cgroup and CPU, if the launcher asked for it."""
     spec = os.environ.get(ENV)
@@ -245,29 +298,50 @@ def join_device() -> None:
 
 
 def leftovers() -> dict[str, list[str]]:
-    """Namespaces and cgroups of emulations, for checks that nothing is left behind."""
+    """Namespaces, cgroups and veths of emulations, for checks that nothing is left behind."""
     ns = [line.split()[0] for line in sh("ip", "netns", "list", check=False).stdout.splitlines() if line]
     groups = [p.name for p in CGROUP_CPU.glob(f"{PREFIX}*")] if CGROUP_CPU.exists() else []
-    return {"namespaces": [n for n in ns if n.startswith(PREFIX)], "cgroups": groups}
+    links = [line.split(":")[1].strip().split("@")[0]
+             for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines() if ":" in line]
+    return {"namespaces": [n for n in ns if n.startswith(PREFIX)], "cgroups": groups,
+            "veths": [link for link in links if link.startswith(PREFIX)]}
 
 
-def cleanup_stale() -> list[str]:
-    """Remove the resources of emulations whose process is gone; returns what was removed."""
-    removed = []
-    live = {f"{PREFIX}{pid % 100000}" for pid in _pids()}
+def names(run: str, num_nodes: int) -> set[str]:
+    """Every namespace, veth and cgroup name an emulation called `run` creates."""
+    nodes = range(num_nodes)
+    return ({f"{run}sw", run} | {f"{run}n{i}" for i in nodes} | {f"{run}a{i}" for i in nodes}
+            | {f"{run}b{i}" for i in nodes})
+
+
+def free_name(num_nodes: int) -> str:
+    """`hse<pid>`, or with a letter appended while any of its names exists."""
+    found = leftovers()
+    taken = set(found["namespaces"]) | set(found["cgroups"]) | set(found["veths"])
+    for suffix in ["", *"bcdefghijklmnopqrstuvwxyz"]:
+        run = f"{PREFIX}{os.getpid()}{suffix}"
+        if not names(run, num_nodes) & taken:
+            return run
+    raise EmulationError(f"every emulation name {PREFIX}{os.getpid()}[b-z] is taken: run `hetsynth cleanup`")
+
+
+def remove_unrecorded() -> list[str]:
+    """Remove emulations no run state file lists whose owner is gone: those of hetsynth
+    versions before the state files (named `hse<pid % 100000>`). Returns what was removed."""
+    from runtime.runstate import recorded
+
+    mine, removed = recorded(), []
+    live = {f"{PREFIX}{pid % 100000}" for pid in _pids()} | {f"{PREFIX}{pid}" for pid in _pids()}
     found = leftovers()
     for ns in found["namespaces"]:
-        run = ns[: ns.rfind("n") if ns[-2:] != "sw" else -2]
-        if run not in live:
-            sh("ip", "netns", "del", ns, check=False)
-            removed.append(ns)
+        owner = ns[:-2] if ns.endswith("sw") else ns[: ns.rfind("n")]
+        if ns not in mine and owner not in live:
+            remove_namespace(ns)
+            removed.append(f"namespace {ns}")
     for name in found["cgroups"]:
-        if name not in live:
-            root = CGROUP_CPU / name
-            for group in list(root.glob("r*")) + [root]:
-                _kill_members(group)
-                _rmdir(group)
-            removed.append(str(root))
+        if str(CGROUP_CPU / name) not in mine and name not in live:
+            remove_cgroup(str(CGROUP_CPU / name))
+            removed.append(f"cgroup {CGROUP_CPU / name}")
     return removed
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import traceback
@@ -118,6 +119,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "RankPool":
         return self

@@ -1,12 +1,14 @@
 """The life of one rank under torchrun, shared by every worker entry point (training, the
 profiler, the plan comparison, the collectives benchmark).
 
-`run_rank(body, timeout_s=...)`: join this rank's emulated device when there is one
+`run_rank(body, timeout_s=...)`: start this rank's heartbeat (runtime.heartbeat: a status
+file the launcher watches), join this rank's emulated device when there is one
 (runtime.emulation), one torch thread per OMP_NUM_THREADS, create the default process group
 (NCCL on a GPU, gloo on CPU) with the collective timeout, run `body(rank, device)`, then a
-barrier and teardown. Any exception prints `rank N failed: <type>: <message>` on stderr (the
-launcher names the failed rank from it; HETSYNTH_DEBUG=1 adds the traceback) and the exit
-status is 1, so the other ranks fail their next collective within the timeout.
+barrier and teardown. Any exception prints `rank N failed: <type>: <message>` on stderr and
+goes into the status file (the launcher's failure line carries it; HETSYNTH_DEBUG=1 adds the
+traceback) and the exit status is 1, so the other ranks fail their next collective within
+the timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.emulation import join_device
+from runtime.heartbeat import Heartbeat
 
 
 def rank_device() -> torch.device:
@@ -37,6 +40,7 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
     """Run `body` on this rank (see the module docstring); returns the exit status.
     `device` overrides rank_device() (the CPU-only tools)."""
     rank = int(os.environ.get("RANK", "0"))
+    beat = Heartbeat(rank).start()
     try:
         join_device()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -46,9 +50,12 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
         body(rank, device)
         dist.barrier()
         dist.destroy_process_group()
+        beat.finish("done")
         return 0
     except Exception as err:  # name the failed rank, exit non-zero
-        print(f"rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        message = f"{type(err).__name__}: {err}"
+        beat.finish("failed", message)
+        print(f"rank {rank} failed: {message}", file=sys.stderr, flush=True)
         if os.environ.get("HETSYNTH_DEBUG"):
             traceback.print_exc()
         return 1

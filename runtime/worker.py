@@ -5,8 +5,9 @@ Reads RANK / WORLD_SIZE / LOCAL_RANK from torchrun, initialises the default proc
 the plan, trains, and on rank 0 prints a line per step and writes a JSON report. Any
 failure prints `rank N failed: ...` to stderr and exits 1, so torchrun stops the others.
 
-For tests of the failure path, `HETSYNTH_KILL=<rank>:<step>` makes that rank SIGKILL itself
-at the start of that step.
+For tests of the failure paths, `HETSYNTH_FAULT=<rank>:<step>:<kind>` makes that rank, at
+the start of that step, SIGKILL itself (`kill`), SIGSTOP itself (`stop`: a stuck rank) or
+raise an error (`raise`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from instruction_set.plan import load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.codegen import groups_mesh
 from runtime.groups import Groups
+from runtime.outputs import check_outputs
 from runtime.rank import run_rank
 from runtime.train import TrainConfig, Trainer, assemble, local_parameters, setup, train_step
 
@@ -40,26 +42,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--report", help="rank 0 writes a JSON report here")
     p.add_argument("--params-out", help="rank 0 writes the final whole parameters here (torch.save)")
-    p.add_argument("--save", help="checkpoint at the end")
+    p.add_argument("--save", help="checkpoint at the end (labelled with the steps it holds)")
     p.add_argument("--resume", help="checkpoint to start from")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
 
-def _kill_point() -> tuple[int, int] | None:
-    spec = os.environ.get("HETSYNTH_KILL")
+class InjectedFault(RuntimeError):
+    """The failure HETSYNTH_FAULT asked for."""
+
+
+def _inject(rank: int, step: int) -> None:
+    """The fault HETSYNTH_FAULT asks of this rank at this step, if any (module docstring)."""
+    spec = os.environ.get("HETSYNTH_FAULT")
     if not spec:
-        return None
-    rank, step = spec.split(":")
-    return int(rank), int(step)
+        return
+    at_rank, at_step, kind = spec.split(":")
+    if (int(at_rank), int(at_step)) != (rank, step):
+        return
+    if kind == "raise":
+        raise InjectedFault(f"injected fault at step {step}")
+    os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[kind])
 
 
 def _train(trainer: Trainer, args: argparse.Namespace, start: int) -> list[dict]:
-    rank, kill = trainer.groups.rank, _kill_point()
+    rank = trainer.groups.rank
     log = []
     for step in range(start, args.steps):
-        if kill == (rank, step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        _inject(rank, step)
         entry = train_step(trainer, step)
         log.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
         if rank == 0 and not args.quiet:
@@ -68,9 +78,12 @@ def _train(trainer: Trainer, args: argparse.Namespace, start: int) -> list[dict]
     return log
 
 
-def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict]) -> None:
+def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict], start: int) -> None:
     if args.save:
-        save_checkpoint(trainer, args.save, args.steps)
+        step = start + len(log)  # the steps the checkpoint holds
+        save_checkpoint(trainer, args.save, step)
+        if trainer.groups.rank == 0 and not args.quiet:
+            print(f"saved {args.save} (step {step})", flush=True)
     if args.params_out:
         gathered = [None] * dist.get_world_size() if trainer.groups.rank == 0 else None
         dist.gather_object(local_parameters(trainer), gathered, dst=0, group=trainer.groups.group("all"))
@@ -88,13 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def body(rank: int, device: torch.device) -> None:
+        if rank == 0:  # before any work: a bad path must not cost the run
+            check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out})
         plan = load_plan(args.plan)
         groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                              max_grad_norm=args.max_grad_norm, seed=args.seed)
         trainer = setup(plan, groups, config, device)
-        start = load_checkpoint(trainer, args.resume) if args.resume else 0
-        _finish(trainer, args, _train(trainer, args, start))
+        start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
+        if rank == 0 and args.resume and not args.quiet:
+            print(f"resumed from {args.resume} (step {start}): training steps {start + 1}-{args.steps}", flush=True)
+        _finish(trainer, args, _train(trainer, args, start), start)
 
     return run_rank(body, timeout_s=args.timeout)
 

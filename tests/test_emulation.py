@@ -16,6 +16,7 @@ from runtime.emulation import Emulation, assign_cpus, leftovers, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
+NOTHING = {"namespaces": [], "cgroups": [], "veths": []}
 needs_root = pytest.mark.skipif(unavailable() is not None, reason=f"cannot emulate: {unavailable()}")
 
 SERVER = """
@@ -99,7 +100,7 @@ def test_missing_quota_is_an_error_and_cleans_up() -> None:
     raw["emulation"]["cpu_quota"] = {"cpu-fast": 0.5}
     with pytest.raises(Exception, match="cpu-slow"):
         Emulation(cluster_from_dict(raw)).start()
-    assert leftovers() == {"namespaces": [], "cgroups": []}
+    assert leftovers() == NOTHING
 
 
 @needs_root
@@ -129,7 +130,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
                                 "--names", *plans, "--warmup", "1", "--rounds", "1", "--steps", "2",
                                 "--report", str(report)])
     assert rc == 0, failure
-    assert leftovers() == {"namespaces": [], "cgroups": []}
+    assert leftovers() == NOTHING
     measured = json.loads(report.read_text())
     spec = parse_model_ref(ref)
     expected, _ = reference_training(spec, spec.batch_size, TrainConfig(steps=3))
@@ -158,7 +159,7 @@ def test_sigterm_removes_the_emulation() -> None:
     assert leftovers()["namespaces"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-    assert leftovers() == {"namespaces": [], "cgroups": []}
+    assert leftovers() == NOTHING
 
 
 @needs_root

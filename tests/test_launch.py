@@ -45,7 +45,7 @@ def test_run_matches_single_device(plan_file: str) -> None:
 
 def test_killed_rank_is_named_and_nothing_is_left(plan_file: str) -> None:
     start = time.monotonic()
-    out = hetsynth_cli("run", plan_file, "--steps", "40", "--timeout", "30", env={"HETSYNTH_KILL": "1:2"})
+    out = hetsynth_cli("run", plan_file, "--steps", "40", "--timeout", "30", env={"HETSYNTH_FAULT": "1:2:kill"})
     elapsed = time.monotonic() - start
     assert out.returncode != 0
     assert "rank 1 failed" in out.stderr and "SIGKILL" in out.stderr, out.stderr[-2000:]
