@@ -92,7 +92,8 @@ def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict], start: 
     if trainer.groups.rank == 0 and args.report:
         times = [e["seconds"] for e in log[1:]] or [e["seconds"] for e in log]
         with open(args.report, "w") as f:
-            json.dump({"losses": [e["loss"] for e in log], "step_seconds": [e["seconds"] for e in log],
+            json.dump({"first_step": start, "losses": [e["loss"] for e in log],
+                       "step_seconds": [e["seconds"] for e in log],
                        "median_step_s": statistics.median(times) if times else None,
                        "world_size": dist.get_world_size()}, f)
 

@@ -37,10 +37,26 @@ def workers_alive(plan_path: str) -> list[str]:
     return [line for line in ps.splitlines() if "runtime.worker" in line and plan_path in line]
 
 
-def test_run_matches_single_device(plan_file: str) -> None:
-    out = hetsynth_cli("run", plan_file, "--steps", "3", "--check", "--tolerance", "1e-9")
+def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -> None:
+    """Two steps on two devices saved, then resumed to three under the four-device plan with
+    --check: the resumed run matches three steps of single-device training, and each
+    checkpoint is labelled with the steps it holds."""
+    import torch
+
+    two = tmp_path / "two.json"
+    hetsynth.save_plan(hetsynth.plan("gpt:tiny,dtype=float64", cluster=str(CLUSTERS / "local-emulated.toml"),
+                                     ratios=[0.7, 0.3], num_devices=2), two)
+    first, second = tmp_path / "ck2.pt", tmp_path / "ck3.pt"
+    out = hetsynth_cli("run", str(two), "--steps", "2", "--save", str(first))
+    assert out.returncode == 0 and f"saved {first} (step 2)" in out.stdout, out.stdout + out.stderr
+    out = hetsynth_cli("run", plan_file, "--steps", "3", "--resume", str(first), "--save", str(second),
+                       "--check", "--tolerance", "1e-9")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "step    3/3" in out.stdout and "check:" in out.stdout and "OK" in out.stdout
+    assert "training steps 3-3" in out.stdout and "step    3/3" in out.stdout and "step    2/3" not in out.stdout
+    assert "check:" in out.stdout and "OK" in out.stdout
+    saved = [torch.load(p, weights_only=True) for p in (first, second)]
+    assert [c["step"] for c in saved] == [2, 3]
+    assert saved[1]["optimizer"]["kind"] == "adamw" and saved[1]["optimizer"]["settings"]["lr"] == 1e-3
 
 
 def test_killed_rank_is_named_and_nothing_is_left(plan_file: str) -> None:
