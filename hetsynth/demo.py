@@ -21,7 +21,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -108,8 +107,10 @@ def run_demo(args: argparse.Namespace) -> int:
     plans = make_plans(args.model, cluster)
     print(plan_summary_text(plans["hetsynth"]))
     _section("run: hetsynth's plan and DP-EV, interleaved on the same workers")
-    with tempfile.TemporaryDirectory(prefix="hetsynth-demo-") as tmp:
-        measured = compare(cluster, plans, Path(tmp), args)
+    from runtime.launch import recorded_run
+
+    with recorded_run() as (_, tmp):  # removed by the next command even if the demo is killed
+        measured = compare(cluster, plans, tmp, args)
     het, ev = measured["hetsynth"]["median_s"], measured["DP-EV"]["median_s"]
     print(f"median step: hetsynth {het:.3f} s (predicted {plans['hetsynth'].predicted.step_time_s:.3f} s), "
           f"DP-EV {ev:.3f} s (predicted {plans['DP-EV'].predicted.step_time_s:.3f} s)")

@@ -29,15 +29,11 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cost_models.cluster import ClusterSpec
-
-if TYPE_CHECKING:
-    from runtime.runstate import RunRecord
+from runtime.runstate import RunRecord, recorded, remove, remove_cgroup, remove_namespace
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PREFIX = "hse"
@@ -82,7 +78,7 @@ def assign_cpus(quotas: list[float], num_cpus: int) -> list[int]:
 @dataclass
 class Emulation:
     spec: ClusterSpec
-    record: "RunRecord | None" = None  # where to record what it creates (default: its own)
+    record: RunRecord | None = None  # where to record what it creates (default: its own)
     run: str = ""
     created: list[tuple[str, str]] = field(default_factory=list)
     _own_record: bool = False
@@ -121,8 +117,6 @@ class Emulation:
 
     # -- building and removing ----------------------------------------------------------------
     def start(self) -> "Emulation":
-        from runtime.runstate import RunRecord
-
         reason = unavailable()
         if reason:
             raise EmulationError(f"cannot emulate {self.spec.name!r}: {reason}")
@@ -187,8 +181,6 @@ class Emulation:
 
     def stop(self) -> None:
         """Remove everything created (processes in it killed first), newest first."""
-        from runtime.runstate import remove
-
         remove([[k, n] for k, n in self.created])
         if self.record is not None:
             for kind, name in self.created:
@@ -238,55 +230,6 @@ def restore_signals(handlers: dict[int, object]) -> None:
         signal.signal(sig, handler)
 
 
-def _kill_members(group: Path) -> None:
-    procs = group / "cgroup.procs"
-    if not procs.exists():
-        return
-    for line in procs.read_text().split():
-        try:
-            os.kill(int(line), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _rmdir(group: Path) -> None:
-    for _ in range(50):  # killed processes leave their cgroup asynchronously
-        try:
-            group.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise EmulationError(f"cannot remove cgroup {group}: still busy")
-
-
-def remove_cgroup(path: str) -> None:
-    """Kill the processes in a cgroup and remove it (its children first)."""
-    group = Path(path)
-    for child in sorted(group.glob("r*"), reverse=True) if group.is_dir() else []:
-        remove_cgroup(str(child))
-    _kill_members(group)
-    _rmdir(group)
-
-
-def remove_namespace(name: str) -> None:
-    """Kill the processes in a network namespace (torchrun agents live there) and delete it."""
-    for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    sh("ip", "netns", "del", name, check=False)
-
-
-def remove_link(name: str) -> None:
-    """Delete a veth still in this namespace (it is moved into a node's namespace right after
-    it is made, and goes with that namespace)."""
-    if sh("ip", "link", "show", name, check=False).returncode == 0:
-        sh("ip", "link", "del", name, check=False)
-
-
 def join_device() -> None:
     """In a worker: join this rank's cgroup and CPU, if the launcher asked for it."""
     spec = os.environ.get(ENV)
@@ -328,8 +271,6 @@ def free_name(num_nodes: int) -> str:
 def remove_unrecorded() -> list[str]:
     """Remove emulations no run state file lists whose owner is gone: those of hetsynth
     versions before the state files (named `hse<pid % 100000>`). Returns what was removed."""
-    from runtime.runstate import recorded
-
     mine, removed = recorded(), []
     live = {f"{PREFIX}{pid % 100000}" for pid in _pids()} | {f"{PREFIX}{pid}" for pid in _pids()}
     found = leftovers()

@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -43,10 +42,10 @@ def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> lis
     """Per device of `cluster`: {name, kind, rows, batch, seconds}, the sustained seconds of
     the model's forward and backward on its rows, measured on the device with all devices
     busy (see the module docstring)."""
-    from runtime.launch import launch_checked
+    from runtime.launch import launch_checked, recorded_run
 
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out = Path(tmp) / "cluster.toml", Path(tmp) / "timing.json"
+    with recorded_run() as (_, tmp):
+        spec_path, out = tmp / "cluster.toml", tmp / "timing.json"
         spec_path.write_text(dump_cluster_toml(cluster))
         launch_checked(cluster, ["-m", "runtime.model_timing", "--model", ref, "--cluster", str(spec_path),
                                  "--output", str(out), "--seconds", str(seconds)],

@@ -7,8 +7,10 @@ thing it creates, *before* creating it, in a state file `<tmp>/hetsynth-runs/<pi
     {"pid": owner pid, "start": the owner's start time (clock ticks after boot, against pid
      reuse), "created": [[kind, name], ...]}
 
-Kinds (REMOVERS): `session` (a process group: a torchrun agent and its workers), `netns`,
-`veth`, `cgroup`, `tempdir`. A run that ends removes what it created, then its file. A run
+Kinds (REMOVERS, each with its remover here): `session` (a process group: a torchrun agent,
+or a worker, which torchrun starts in a session of its own), `netns` (its processes are
+killed first), `veth`, `cgroup` (its processes killed first, its children removed first),
+`tempdir`. A run that ends removes what it created, then its file. A run
 that was killed (SIGKILL cannot be caught) leaves its file behind: `remove_dead_runs()`,
 which every `hetsynth` command calls first (and `hetsynth cleanup`), removes what the files
 of dead owners list (processes first, then the rest in reverse order of creation) and the
@@ -18,20 +20,21 @@ run, or a run of an older hetsynth, is never disturbed.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
-import logging
 import os
 import secrets
 import shutil
 import signal
+import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import Callable
 
-log = logging.getLogger(__name__)
 _numbers = count()
 
 
@@ -116,18 +119,62 @@ def _remove_tempdir(name: str) -> None:
     shutil.rmtree(name, ignore_errors=True)
 
 
-def _emulation_remover(kind: str) -> Callable[[str], None]:
-    def remove(name: str) -> None:
-        from runtime import emulation
+def _kill_members(group: Path) -> None:
+    procs = group / "cgroup.procs"
+    if not procs.exists():
+        return
+    for line in procs.read_text().split():
+        try:
+            os.kill(int(line), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
-        {"netns": emulation.remove_namespace, "veth": emulation.remove_link,
-         "cgroup": emulation.remove_cgroup}[kind](name)
-    return remove
+
+def _rmdir(group: Path) -> None:
+    for _ in range(50):  # killed processes leave their cgroup asynchronously
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise OSError(errno.EBUSY, f"cannot remove cgroup {group}: still busy")
+
+
+def remove_cgroup(path: str) -> None:
+    """Kill the processes in a cgroup and remove it (its children first)."""
+    group = Path(path)
+    for child in sorted(group.glob("r*"), reverse=True) if group.is_dir() else []:
+        remove_cgroup(str(child))
+    _kill_members(group)
+    _rmdir(group)
+
+
+def remove_namespace(name: str) -> None:
+    """Kill the processes in a network namespace (torchrun agents live there) and delete it."""
+    for pid in _ip("netns", "pids", name).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _ip("netns", "del", name)
+
+
+def remove_link(name: str) -> None:
+    """Delete a veth still in this namespace (it is moved into a node's namespace right after
+    it is made, and goes with that namespace)."""
+    if _ip("link", "show", name).returncode == 0:
+        _ip("link", "del", name)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
 
 
 REMOVERS: dict[str, Callable[[str], None]] = {
     "session": kill_session, "tempdir": _remove_tempdir,
-    "netns": _emulation_remover("netns"), "veth": _emulation_remover("veth"), "cgroup": _emulation_remover("cgroup"),
+    "netns": remove_namespace, "veth": remove_link, "cgroup": remove_cgroup,
 }
 
 
