@@ -20,6 +20,7 @@ Files are read with `weights_only=True` (tensors and plain data only: no code ru
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{where}: is a directory, not a checkpoint file")
     if not Path(path).exists():
         raise CheckpointError(f"{where}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{where}: not a checkpoint torch can read (not the zip archive torch.save "
+                              f"writes: corrupt or truncated?)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # whatever torch says about a file it cannot read

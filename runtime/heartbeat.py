@@ -130,7 +130,7 @@ def process_state(pid: int, start: int | None = None) -> str | None:
     return None if fields[0] in "ZX" else fields[0]
 
 
-STATE_WORDS = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}
+STATE_WORDS = {"T": "stopped, e.g. by SIGSTOP", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,43 @@
+"""Run records (runtime.runstate): what a dead owner's record lists is removed (its processes
+killed, its directories deleted) and the record with it; a live owner's record is left alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import runstate
+
+
+def test_dead_runs_are_removed_live_ones_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETSYNTH_STATE_DIR", str(tmp_path / "state"))
+    live = runstate.RunRecord.open()
+    kept = runstate.tempdir(live, "hetsynth-test-live-")
+    dead = runstate.RunRecord.open()
+    gone = runstate.tempdir(dead, "hetsynth-test-dead-")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    dead.add("session", f"{sleeper.pid}:{runstate.start_ticks(sleeper.pid)}")
+    owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    owner.wait()
+    data = json.loads(dead.path.read_text()) | {"pid": owner.pid}  # as if a process now gone had written it
+    dead.path.write_text(json.dumps(data))
+    try:
+        removed = runstate.remove_dead_runs()
+        assert removed == [f"removed what a dead run (pid {owner.pid}) left: 1 temporary directory, 1 process group"]
+        assert sleeper.wait(timeout=10) != 0 and not gone.exists() and not dead.path.exists()
+        assert kept.exists() and live.path.exists()
+        assert runstate.live_runs() == [f"left alone: the live run of pid {live.pid}: 1 temporary directory"]
+    finally:
+        sleeper.kill()
+        runstate.remove(live.created)
+        live.close()
+    assert not kept.exists() and runstate.remove_dead_runs() == []
+
+
+def test_unknown_kind_fails_loudly() -> None:
+    with pytest.raises(ValueError, match="unknown kind 'disk'"):
+        runstate.remove([["disk", "/dev/sda"]])
