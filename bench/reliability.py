@@ -118,18 +118,18 @@ def killed_launcher(plan: Path) -> dict:
     proc.wait()
     before = sum(1 for kind, name in created if exists(kind, name))
     rc, text, seconds = hetsynth("cleanup")
-    after = sum(1 for kind, name in created if exists(kind, name))
+    after = [f"{kind} {name}" for kind, name in created if exists(kind, name)]
     return {"exit": rc, "seconds": round(seconds, 1), "line": text.strip().splitlines()[0],
-            "left_before_cleanup": before, "left_after_cleanup": after}
+            "recorded": len(created), "left_before_cleanup": before, "left_after_cleanup": after}
 
 
 def exists(kind: str, name: str) -> bool:
     from runtime.emulation import leftovers
-    from runtime.runstate import start_ticks
+    from runtime.heartbeat import process_state
 
-    if kind == "session":
+    if kind == "session":  # a zombie (killed, its parent not yet told) is gone
         pid, start = name.split(":")
-        return start_ticks(int(pid)) == int(start)
+        return process_state(int(pid), int(start)) is not None
     if kind in ("netns", "veth"):
         found = leftovers()
         return name in found["namespaces"] + found["veths"]

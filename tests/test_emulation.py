@@ -177,3 +177,16 @@ def test_model_timed_on_the_emulated_devices() -> None:
     expected = SPEC.emulation.cpu_quota["cpu-fast"] / SPEC.emulation.cpu_quota["cpu-slow"]
     assert 0.8 * expected < per_row["cpu-slow"] / per_row["cpu-fast"] < 2.5 * expected, records
     assert leftovers() == before
+
+
+def test_name_of_a_leftover_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead run's namespace or veth with this process's name (pid reuse, older versions)
+    makes the emulation take the next name instead of failing with `File exists`."""
+    import os
+
+    from runtime import emulation
+
+    pid = os.getpid()
+    monkeypatch.setattr(emulation, "leftovers", lambda: {"namespaces": [f"hse{pid}n1"], "cgroups": [],
+                                                         "veths": [f"hse{pid}ba0"]})
+    assert emulation.free_name(2) == f"hse{pid}c"
