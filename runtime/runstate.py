@@ -2,7 +2,7 @@
 left behind can be removed.
 
 Every launch (runtime.launch) and every emulated cluster (runtime.emulation) records each
-thing it creates, *before* creating it, in a state file `<tmp>/hetsynth-runs/<pid>-<n>.json`:
+thing it creates, *before* creating it, in a state file `<tmp>/hetsynth-runs-<uid>/<pid>-<n>.json`:
 
     {"pid": owner pid, "start": the owner's start time (clock ticks after boot, against pid
      reuse), "created": [[kind, name], ...]}
@@ -39,7 +39,9 @@ _numbers = count()
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("HETSYNTH_STATE_DIR") or Path(tempfile.gettempdir()) / "hetsynth-runs")
+    """Where this user's run records live (one directory per user: a shared /tmp must not let
+    one user's directory stop another's runs)."""
+    return Path(os.environ.get("HETSYNTH_STATE_DIR") or Path(tempfile.gettempdir()) / f"hetsynth-runs-{os.geteuid()}")
 
 
 def start_ticks(pid: int) -> int | None:
@@ -62,7 +64,7 @@ class RunRecord:
     @staticmethod
     def open() -> "RunRecord":
         directory = state_dir()
-        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         record = RunRecord(directory / f"{os.getpid()}-{next(_numbers)}.json")
         record._write()
         return record
