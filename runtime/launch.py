@@ -212,7 +212,7 @@ def supervise(record: RunRecord, agents: list[subprocess.Popen], workdir: Path, 
     rank fails, a rank dies, a rank's heartbeat stops for the timeout), give the agents
     SETTLE_S to stop by themselves, name the rank (runtime.heartbeat.diagnose) and kill what
     is left. Every rank's process is recorded in `record` as soon as its status file appears.
-Returns (exit status, failure)."""
+    Returns (exit status, failure)."""
     threads = [threading.Thread(target=_echo, args=(a,), daemon=True) for a in agents]
     for t in threads:
         t.start()
