@@ -84,6 +84,8 @@ def _ratios(raw: dict, values: Callable[[list[float]], list[float]]) -> None:
 
 
 def _out(tmp: Path) -> str:
+    """An output path in an existing directory (a missing one is itself an error, checked first)."""
+    (tmp / "out").mkdir(exist_ok=True)
     return str(tmp / "out" / "plan.json")
 
 
@@ -173,4 +175,4 @@ def test_hopeless_memory_fails_fast(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["plan", "--model", "gpt:xl", "--cluster", str(EMULATED), "-o", _out(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no plan fits in memory" in err and "need 23.21 GiB" in err and "hold 16 GiB in all" in err, err
-    assert time.perf_counter() - start < 15 and not (tmp_path / "out").exists()
+    assert time.perf_counter() - start < 15 and not (tmp_path / "out" / "plan.json").exists()
