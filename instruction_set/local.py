@@ -30,6 +30,7 @@ from instruction_set.args import decode_arg
 from instruction_set.graph import Node
 from instruction_set.interpret import resolve_target
 from instruction_set.rules import SHAPE_ARG
+from instruction_set.rules.conv import PLANE_OPS
 
 
 class Builder(Protocol):
@@ -102,43 +103,49 @@ def amax_sharded(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) ->
     return x.new_full(shape, float("-inf"))
 
 
-def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           stride: Sequence[int] = (1, 1), padding: Sequence[int] | str = (0, 0),
-           dilation: Sequence[int] = (1, 1), groups: int = 1) -> torch.Tensor:
-    """conv2d that accepts zero-length channel shards (torch rejects an empty weight)."""
-    if weight.shape[0] > 0 and weight.shape[1] > 0:
-        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    probe = F.conv2d(x.new_zeros(x.shape[0], max(weight.shape[1], 1) * groups, *x.shape[2:]),
-                     weight.new_zeros(1, max(weight.shape[1], 1), *weight.shape[2:]), None,
-                     stride, padding, dilation, groups)
-    out = probe.new_zeros(probe.shape[0], weight.shape[0], *probe.shape[2:])
+def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Sequence[int],
+                padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+                output_padding: Sequence[int], groups: int) -> torch.Tensor:
+    """aten.convolution on local shards: a non-transposed convolution takes its groups from
+    the local channels (a depthwise shard holds whole groups), and zero-length channel shards
+    are allowed (torch rejects an empty weight)."""
+    if not transposed and weight.shape[1] > 0:
+        groups = x.shape[1] // weight.shape[1]
+    conv = torch.ops.aten.convolution.default
+    if x.shape[1] > 0 and weight.numel() > 0:
+        return conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    probe = conv(x.new_zeros(x.shape[0], 1, *x.shape[2:]), weight.new_zeros(1, 1, *weight.shape[2:]), None,
+                 stride, padding, dilation, transposed, output_padding, 1)
+    out = probe.new_zeros(probe.shape[0], out_channels, *probe.shape[2:])
     out = out + (x.sum() * 0 + weight.sum() * 0)  # keep both in the autograd graph
-    return out + bias.view(1, -1, 1, 1) if bias is not None else out
+    return out + bias.view(1, -1, *[1] * (out.dim() - 2)) if bias is not None else out
 
 
-def _channel_tolerant(pool: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A pooling op that accepts a zero-length channel shard (torch rejects 0 channels)."""
+def _size_tolerant(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A plane op (pooling, upsampling, padding) that accepts zero-length leading dims (torch
+    rejects 0 channels): run on size 1 there, keep none of it."""
 
-    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if x.dim() == 4 and x.shape[1] == 0:
-            probe = pool(x.new_zeros(x.shape[0], 1, *x.shape[2:]), *args, **kwargs)
-            return probe[:, :0] + x.sum() * 0
-        return pool(x, *args, **kwargs)
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        empty = [d for d, s in enumerate(x.shape) if s == 0]
+        if not empty:
+            return op(x, *args, **kwargs)
+        probe = x.new_zeros([1 if s == 0 else s for s in x.shape])
+        out = op(probe, *args, **kwargs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        for d in empty:
+            outs = [o.narrow(d, 0, 0) for o in outs]
+        outs = [o + x.sum() * 0 if o.is_floating_point() else o for o in outs]
+        return tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
 
-    run.__name__ = run.__qualname__ = pool.__name__.split(".")[-1] + "_any_channels"
+    run.__name__ = run.__qualname__ = str(op).split(".")[1] + "_any_size"
     return run
 
 
-max_pool2d = _channel_tolerant(torch.ops.aten.max_pool2d.default)
-avg_pool2d = _channel_tolerant(torch.ops.aten.avg_pool2d.default)
-adaptive_avg_pool2d = _channel_tolerant(torch.ops.aten.adaptive_avg_pool2d.default)
-
 # Ops run through a size-tolerant wrapper on every rank.
 LOCAL_TARGETS: dict[str, Callable[..., Any]] = {
-    "aten.conv2d.default": conv2d,
-    "aten.max_pool2d.default": max_pool2d,
-    "aten.avg_pool2d.default": avg_pool2d,
-    "aten.adaptive_avg_pool2d.default": adaptive_avg_pool2d,
+    "aten.convolution.default": convolution,
+    **{name: _size_tolerant(resolve_target(name)) for name in PLANE_OPS},
 }
 
 

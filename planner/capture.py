@@ -1,16 +1,21 @@
 """Capture an nn.Module into the reference graph (instruction_set.graph).
 
 1. `torch.export.export(..., strict=False)` in training mode gives an ATen graph in the
-   training IR (linear, layer_norm, scaled_dot_product_attention stay whole ops). Exporting a
-   module on the meta device allocates nothing, so a 1.5B-parameter model captures in seconds.
-2. Assertion no-ops are dropped and cross-entropy is decomposed (planner.decompose).
+   training IR. Exporting a module on the meta device allocates nothing, so a 1.5B-parameter
+   model captures in seconds.
+2. planner.lower lowers it to the op surface: no_grad regions inlined (their outputs
+   detached), cross-entropy and the normalisations decomposed, torch's core ATen
+   decompositions applied except for the composites kept whole, in-place ops made functional
+   and every buffer the forward mutates updated by an explicit `copy_(buffer, new)` node.
 3. Every node is replayed on meta tensors: outputs give shapes, dtypes and whether a gradient
    flows; FlopCounterMode counts the forward FLOPs of the op and, through autograd on the
    op alone, its backward FLOPs. Counts are cached per (op, argument shapes), so repeated
    layers cost one count.
 4. Ops without a sharding rule are collected, all of them, with their module path and source
-   line; they fail the capture unless `allow_replicate_fallback` accepts them as
-   replicated-only ops.
+   line (the first MAX_PLACES places of each, then how many more); they fail the capture
+   unless `allow_replicate_fallback` accepts them as replicated-only ops. Higher-order ops
+   that survive lowering (torch.cond, ...) carry subgraphs the plan cannot hold: they are
+   reported and cannot fall back.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import json
 import operator
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -29,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from instruction_set.args import decode_arg, encode_arg, refs_in
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.rules import is_supported
-from planner.decompose import decompose_cross_entropy, strip_noops
+from planner.lower import Lowered, LoweringError, lower, place
 
 META = torch.device("meta")
 
@@ -38,15 +42,24 @@ class CaptureError(ValueError):
     """The model cannot be captured; the message says why and where."""
 
 
+MAX_PLACES = 5  # places listed per unsupported op
+
+
 class UnsupportedOpsError(CaptureError):
     def __init__(self, report: list["UnsupportedOp"]) -> None:
         self.report = report
         lines = [f"{len(report)} unsupported op kind(s) (no sharding rule):"]
         for op in report:
-            lines.append(f"  {op.target} x{op.count}")
-            lines += [f"      at {where}" for where in op.places[:5]]
-        lines.append("Re-run with --allow-replicate-fallback (API: allow_replicate_fallback=True) "
-                     "to compute them replicated on every device.")
+            lines.append(f"  {op.target} x{op.count}" + ("  (higher-order op: cannot fall back)" if op.higher_order else ""))
+            lines += [f"      at {where}" for where in op.places[:MAX_PLACES]]
+            if len(op.places) > MAX_PLACES:
+                lines.append(f"      and {len(op.places) - MAX_PLACES} more")
+        if all(not op.higher_order for op in report):
+            lines.append("Re-run with --allow-replicate-fallback (API: allow_replicate_fallback=True) "
+                         "to compute them replicated on every device.")
+        else:
+            lines.append("Higher-order ops (control flow, subgraphs) have no replicated fallback: "
+                         "rewrite that part of the model without them.")
         super().__init__("\n".join(lines))
 
 
@@ -55,30 +68,11 @@ class UnsupportedOp:
     target: str
     count: int
     places: tuple[str, ...]
+    higher_order: bool = False
 
 
 def target_name(target: Any) -> str:
     return "getitem" if target is operator.getitem else str(target)
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
-
-
-_TORCH_DIR = str(Path(torch.__file__).parent)
-
-
-def _source(node: fx.Node) -> str:
-    """'file.py:12  code' of the innermost frame outside torch in the node's stack trace."""
-    lines = (node.meta.get("stack_trace") or "").rstrip().split("\n")
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        if line.startswith('File "') and not line[6:].startswith(_TORCH_DIR):
-            path, _, rest = line[6:].partition('", line ')
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{path}:{rest.split(',')[0]}  {code}"
-    return ""
 
 
 def _meta_of(t: torch.Tensor) -> TensorMeta:
@@ -86,12 +80,16 @@ def _meta_of(t: torch.Tensor) -> TensorMeta:
                       requires_grad=bool(t.requires_grad))
 
 
-def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> torch.export.ExportedProgram:
+def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> Lowered:
     model.train()
     try:
-        return torch.export.export(model, tuple(inputs), strict=False)
+        ep = torch.export.export(model, tuple(inputs), strict=False)
     except Exception as err:  # export raises many types; report them as one capture error
         raise CaptureError(f"torch.export could not trace the model: {type(err).__name__}: {err}") from err
+    try:
+        return lower(ep)
+    except LoweringError as err:
+        raise CaptureError(str(err)) from None
 
 
 class _Replay:
@@ -159,20 +157,6 @@ def _cache_key(target: str, args: list, kwargs: dict, replay: _Replay) -> str:
     return json.dumps([target, sub(args), {k: sub(v) for k, v in kwargs.items()}], default=str)
 
 
-def _placeholder_kinds(ep: torch.export.ExportedProgram) -> dict[str, tuple[str, str]]:
-    kinds = {"PARAMETER": "param", "BUFFER": "buffer", "USER_INPUT": "input"}
-    out = {}
-    for spec in ep.graph_signature.input_specs:
-        kind = kinds.get(spec.kind.name)
-        if kind is None:
-            raise CaptureError(
-                f"graph input {spec.arg.name!r} is a {spec.kind.name.lower()} ({spec.target}); "
-                "create tensors in __init__ and register them as buffers instead of in forward"
-            )
-        out[spec.arg.name] = (kind, spec.target or "")
-    return out
-
-
 def _placeholder(node: fx.Node, kind: str, fqn: str, replay: _Replay) -> Node:
     val = node.meta["val"]
     t = torch.empty(val.shape, dtype=val.dtype, device=META)
@@ -186,6 +170,7 @@ def _call(node: fx.Node, replay: _Replay) -> Node:
     args = [encode_arg(a, name_of) for a in node.args]
     kwargs = {k: encode_arg(v, name_of) for k, v in node.kwargs.items()}
     target = target_name(node.target)
+    where = place(node)
     try:
         out, fwd, bwd = replay.run(node.target, args, kwargs, _cache_key(target, args, kwargs, replay))
     except Exception:  # op without a meta kernel: fall back to export's shapes, no FLOPs
@@ -197,7 +182,7 @@ def _call(node: fx.Node, replay: _Replay) -> Node:
         inputs=tuple(refs_in(args) + [r for v in kwargs.values() for r in refs_in(v)]),
         outputs=tuple(_meta_of(t) for t in outs if isinstance(t, torch.Tensor)),
         multi_output=isinstance(out, (tuple, list)), flops_fwd=fwd, flops_bwd=bwd,
-        module_path=_module_path(node), source=_source(node),
+        module_path=where[0], source=where[1],
     )
 
 
@@ -209,42 +194,39 @@ def _from_export_meta(val: Any) -> Any:
     return torch.empty(val.shape, dtype=val.dtype, device=META)
 
 
-def _loss_name(gm: fx.GraphModule, nodes: list[Node]) -> str:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+def _loss_name(outputs: list[str], nodes: list[Node]) -> str:
     metas = {n.name: n.outputs for n in nodes}
-    first = metas.get(getattr(values[0], "name", None)) if values else None
-    if len(values) != 1 or not first or len(first) != 1 or first[0].shape != ():
+    first = metas.get(outputs[0]) if outputs else None
+    if len(outputs) != 1 or not first or len(first) != 1 or first[0].shape != ():
         shape = [m.shape for m in first] if first else None
-        raise CaptureError(f"forward must return one scalar loss; it returned {len(values)} "
+        raise CaptureError(f"forward must return one scalar loss; it returned {len(outputs)} "
                            f"value(s), the first of shape {shape}")
-    return values[0].name
+    return outputs[0]
 
 
-def _unsupported(nodes: list[Node]) -> list[UnsupportedOp]:
+def _unsupported(nodes: list[Node], higher_order: set[str]) -> list[UnsupportedOp]:
     bad = [n for n in nodes if n.op == "call" and not is_supported(n.target)]
     counts = Counter(n.target for n in bad)
-    return [UnsupportedOp(t, c, tuple(f"{n.module_path or '<root>'}  ({n.source})"
-                                      for n in bad if n.target == t)) for t, c in counts.items()]
+    return [UnsupportedOp(t, c, tuple(f"{n.module_path or '<root>'}  ({n.source or 'no source line'})"
+                                      for n in bad if n.target == t), t in higher_order)
+            for t, c in counts.items()]
 
 
 def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_ref: str = "",
             allow_replicate_fallback: bool = False) -> ReferenceGraph:
     """Export `model` with `example_inputs` and build its reference graph."""
-    ep = _export(model, example_inputs)
-    gm = ep.graph_module
-    strip_noops(gm)
-    decompose_cross_entropy(gm)
-    kinds = _placeholder_kinds(ep)
-    replay, nodes = _Replay(), []
-    for node in gm.graph.nodes:
+    lowered = _export(model, example_inputs)
+    replay, nodes, higher_order = _Replay(), [], set()
+    for node in lowered.graph_module.graph.nodes:
         if node.op == "placeholder":
-            nodes.append(_placeholder(node, *kinds[node.name], replay))
+            nodes.append(_placeholder(node, *lowered.kinds[node.name], replay))
         elif node.op == "call_function":
             nodes.append(_call(node, replay))
-    loss = _loss_name(gm, nodes)
-    report = _unsupported(nodes)
-    if report and not allow_replicate_fallback:
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                higher_order.add(nodes[-1].target)
+    loss = _loss_name(lowered.outputs, nodes)
+    report = _unsupported(nodes, higher_order)
+    if report and (not allow_replicate_fallback or higher_order & {r.target for r in report}):
         raise UnsupportedOpsError(report)
     fallback = {r.target for r in report}
     nodes = [n.model_copy(update={"fallback": True}) if n.target in fallback else n for n in nodes]

@@ -67,7 +67,7 @@ def decompose_cross_entropy(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             loss = _emit_cross_entropy(gm.graph, *parsed)
         for new in _nodes_between(loss, node):
-            new.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+            new.meta.update({k: node.meta[k] for k in ("custom", "nn_module_stack", "stack_trace") if k in node.meta})
         node.replace_all_uses_with(loss)
         gm.graph.erase_node(node)
         count += 1
@@ -83,10 +83,16 @@ def _nodes_between(last: fx.Node, anchor: fx.Node) -> list[fx.Node]:
     return out
 
 
-def strip_noops(gm: fx.GraphModule) -> None:
-    """Remove runtime assertion nodes that compute nothing."""
+ASSERTIONS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+              aten._assert_async.msg, aten._assert_async.default, aten.sym_constrain_range_for_size.default)
+
+
+def strip_noops(gm: fx.GraphModule, *, dead_code: bool = False) -> None:
+    """Remove runtime assertion nodes that compute nothing (they check values, such as
+    one_hot's index range, that the single-device run checks too); with `dead_code`, also
+    the pure nodes no longer used (the graph must be functional)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in (
-            aten._assert_tensor_metadata.default, aten._assert_scalar.default,
-        ) and not node.users:
+        if node.op == "call_function" and node.target in ASSERTIONS and not node.users:
             gm.graph.erase_node(node)
+    if dead_code:
+        gm.graph.eliminate_dead_code()

@@ -4,11 +4,11 @@ save  every rank sends its slices of the parameters and of their optimizer state
       (gather_object), which reassembles whole tensors and writes one file:
         {"format": 1, "model_ref", "step": the number of steps trained,
          "model": the model's state_dict (loadable into the plain single-device module,
-                  tied names included),
+                  tied names included; buffers as training left them),
          "optimizer": {"kind", "settings": {"lr", "weight_decay"},
                        "state": {name: {"step", "exp_avg", "exp_avg_sq" | "momentum_buffer"}}}}
 load  every rank reads the file and takes its own slices under *its* plan, which may have
-      other ratios, layouts or world size than the plan that saved it.
+      other ratios, layouts or world size than the plan that saved it; buffers are whole.
 
 `read_checkpoint` + `check_resume` validate a checkpoint before any rank starts (the launcher)
 and again on every rank: a file torch cannot read (corrupt, truncated, not a checkpoint), a
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from instruction_set.plan import Plan
 from runtime.codegen import local_slice
-from runtime.train import TrainConfig, Trainer, assemble
+from runtime.train import TrainConfig, Trainer, assemble, model_buffers
 
 FORMAT = 1
 
@@ -82,13 +82,14 @@ def _model_state_dict(trainer: Trainer, params: dict[str, torch.Tensor]) -> dict
     get the same tensor) and the model's buffers."""
     module = trainer.spec.build("meta")
     named = list(module.named_parameters(remove_duplicate=False))
+    buffers = model_buffers(trainer)
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.nn.Parameter):
             aliases = [n for n, p in named if p is value]
             out[key] = params[next(n for n in aliases if n in params)]
         else:
-            out[key] = trainer.buffers[key]
+            out[key] = buffers[key]
     return out
 
 
@@ -171,4 +172,17 @@ def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None
             k: (local_slice(plan, p.name, p.layout, rank, v).clone().to(param.device)
                 if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
             for k, v in state.items()}
+    _load_buffers(trainer, ckpt["model"], str(path))
     return step
+
+
+def _load_buffers(trainer: Trainer, state: dict[str, torch.Tensor], path: str) -> None:
+    module = trainer.program.module
+    for node in trainer.plan.graph.nodes:
+        if node.op != "buffer":
+            continue
+        if node.fqn not in state:
+            raise CheckpointError(f"{path} has no buffer {node.fqn!r}")
+        with torch.no_grad():
+            getattr(module, node.name).copy_(state[node.fqn])
+    trainer.buffers.update({k: v for k, v in state.items() if k in trainer.buffers})

@@ -9,14 +9,19 @@ instructions are emitted in order:
   compute          the op on local shards, via instruction_set.local.emit_local (the code path
                    the single-process rule tests check), or an SFB linear
   collectives      a call to a Conversion module (runtime.conversions)
+  buffer update    `copy_(buffer, new)` is not run in the forward: the program returns the
+                   new value, and the trainer writes it into the buffer after the backward
+                   pass (an in-place write during the forward would invalidate tensors saved
+                   for the backward)
 
+The program returns `(loss, *new buffer values)`, in the order of `RankProgram.updates`.
 Parameters are nn.Parameters of the GraphModule, so its `parameters()` are exactly the local
 parameters to optimise; `RankProgram.params` tells how each synchronises its gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -27,6 +32,7 @@ from instruction_set.layouts import is_shard
 from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
 from instruction_set.plan import Plan
 from instruction_set.program import COLLECTIVES, Instruction
+from instruction_set.rules.state import BUFFER_UPDATE
 from instruction_set.shards import rank_offset
 from runtime.conversions import make_conversion, span
 from runtime.groups import Groups
@@ -46,6 +52,7 @@ class RankProgram:
     module: fx.GraphModule
     params: list[LocalParam]
     inputs: list[tuple[str, str]]  # (graph input name, layout) in placeholder order
+    updates: list[str] = field(default_factory=list)  # buffer attributes the outputs after the loss update
 
 
 class FxBuilder:
@@ -91,6 +98,7 @@ class _Emitter:
         self.env: dict[tuple[str, str], fx.Node] = {}
         self.params: list[LocalParam] = []
         self.inputs: list[tuple[str, str]] = []
+        self.updates: list[tuple[str, fx.Node]] = []
         self.sfb = {i.node: i for i in plan.instructions if i.kind == "sfb"}
         self.syncs = {i.tensor: i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"}
 
@@ -119,7 +127,10 @@ class _Emitter:
     def compute(self, ins: Instruction) -> None:
         node = self.plan.graph.node(ins.node)
         values = [self.env[(t, l)] for t, l in zip(node.inputs, ins.inputs)]
-        if ins.node in self.sfb:
+        if node.target == BUFFER_UPDATE:
+            self.updates.append((node.inputs[0], values[1]))
+            out = values[0]
+        elif ins.node in self.sfb:
             out = self._sfb(ins, node, values)
         else:
             out = emit_local(node, ins.local, values, self._context(node, ins), FxBuilder(self.graph))
@@ -163,9 +174,9 @@ class _Emitter:
                 self.compute(ins)
             elif ins.phase == "forward" and (ins.kind in COLLECTIVES or ins.kind in ("slice", "partial")):
                 self.conversion(ins)
-        self.graph.output(self.env[(self.plan.graph.loss, "P")])
+        self.graph.output((self.env[(self.plan.graph.loss, "P")], *[v for _, v in self.updates]))
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
-        return RankProgram(module, self.params, self.inputs)
+        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates])
 
 
 def _global_count(plan: Plan, node: Node) -> int:

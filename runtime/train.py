@@ -10,6 +10,8 @@
 - Clipping by the global norm: each element of the full model counts once (a replicated
   parameter only on the first rank of its replica group).
 - The loss each rank computes is a Partial summand; the global loss is their all-reduced sum.
+- Buffers the forward updates (BatchNorm statistics, counters) are written after the backward
+  pass with the new values the program returns (replicated: the same on every rank).
 """
 
 from __future__ import annotations
@@ -157,6 +159,14 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [b for b in out if b]
 
 
+def update_buffers(trainer: Trainer, values: Sequence[torch.Tensor]) -> None:
+    """Write the forward's new buffer values (RankProgram.updates order) into the buffers."""
+    module = trainer.program.module
+    with torch.no_grad():
+        for name, value in zip(trainer.program.updates, values, strict=True):
+            getattr(module, name).copy_(value)
+
+
 def counts_once(groups: Groups, layout: str) -> bool:
     """Whether this rank's copy of a parameter counts in global sums (first replica)."""
     outer, inner = axes(layout)
@@ -191,9 +201,10 @@ def train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None = 
     marks = [("start", time.perf_counter())]
     inputs = local_batch(trainer, step) if inputs is None else inputs
     marks.append(("data", time.perf_counter()))
-    loss = trainer.program.module(*inputs)
+    loss, *new_buffers = trainer.program.module(*inputs)
     marks.append(("forward", time.perf_counter()))
     loss.backward()
+    update_buffers(trainer, new_buffers)
     marks.append(("backward", time.perf_counter()))
     sync_gradients(trainer)
     marks.append(("gradient_sync", time.perf_counter()))
@@ -217,8 +228,20 @@ def local_parameters(trainer: Trainer) -> dict[str, tuple[str, torch.Tensor]]:
     return {p.fqn: (p.layout, getattr(module, p.name).detach().cpu()) for p in trainer.program.params}
 
 
+def model_buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The model's buffers by name, whole: the program's (stored R, so whole on every rank,
+    updated by training) over the initial values of those the graph does not read."""
+    module = trainer.program.module
+    out = dict(trainer.buffers)
+    for node in trainer.plan.graph.nodes:
+        if node.op == "buffer":
+            out[node.fqn] = getattr(module, node.name).detach().cpu()
+    return out
+
+
 def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same training on one device with the plain model: losses and final parameters."""
+    """The same training on one device with the plain model: losses and final parameters
+    and buffers (by name)."""
     torch.manual_seed(config.seed)
     model = spec.build("cpu")
     optimizer = make_optimizer(list(model.parameters()), config)
@@ -232,8 +255,8 @@ def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig) ->
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    return losses, {k: v.detach() for k, v in params.items()}
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return losses, {k: v.detach() for k, v in state.items()}
 
 
 def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
@@ -256,4 +279,5 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[str, torch.Tensor]]]
 
 
 __all__ = ["Any", "TrainConfig", "Trainer", "assemble", "clip_global_norm", "full_state", "local_batch",
-           "local_parameters", "reference_training", "setup", "sync_gradients", "train_step"]
+           "local_parameters", "model_buffers", "reference_training", "setup", "sync_gradients", "train_step",
+           "update_buffers"]

@@ -28,7 +28,7 @@ from runtime.codegen import groups_mesh
 from runtime.groups import Groups
 from runtime.outputs import check_outputs
 from runtime.rank import run_rank
-from runtime.train import TrainConfig, Trainer, assemble, local_parameters, setup, train_step
+from runtime.train import TrainConfig, Trainer, assemble, local_parameters, model_buffers, setup, train_step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--report", help="rank 0 writes a JSON report here")
-    p.add_argument("--params-out", help="rank 0 writes the final whole parameters here (torch.save)")
+    p.add_argument("--params-out", help="rank 0 writes the final whole parameters and buffers here (torch.save)")
     p.add_argument("--save", help="checkpoint at the end (labelled with the steps it holds)")
     p.add_argument("--resume", help="checkpoint to start from")
     p.add_argument("--quiet", action="store_true")
@@ -88,7 +88,7 @@ def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict], start: 
         gathered = [None] * dist.get_world_size() if trainer.groups.rank == 0 else None
         dist.gather_object(local_parameters(trainer), gathered, dst=0, group=trainer.groups.group("all"))
         if trainer.groups.rank == 0:
-            torch.save(assemble(trainer.plan, gathered), args.params_out)
+            torch.save(assemble(trainer.plan, gathered) | model_buffers(trainer), args.params_out)
     if trainer.groups.rank == 0 and args.report:
         times = [e["seconds"] for e in log[1:]] or [e["seconds"] for e in log]
         with open(args.report, "w") as f:

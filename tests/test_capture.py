@@ -58,39 +58,86 @@ def test_nodes_carry_module_path_source_and_grad_flags() -> None:
     assert not ne.out.requires_grad and ne.out.dtype == "bool"
 
 
+@torch.library.custom_op("hetsynth_test::spectral", mutates_args=())
+def spectral(x: torch.Tensor) -> torch.Tensor:
+    """An op outside the op surface (a custom op without a decomposition)."""
+    return torch.fft.rfft(x, dim=-1).abs()
+
+
+@spectral.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2 + 1)
+
+
 class Spectral(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.fft.rfft(x, dim=-1).abs()
+        return spectral(x)
 
 
-class WithFFT(nn.Module):
-    def __init__(self) -> None:
+class WithCustomOp(nn.Module):
+    def __init__(self, mixers: int = 2, branch: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(8, 8)
-        self.mixer = Spectral()
-        self.mixer2 = Spectral()
+        self.mixers = nn.ModuleList(Spectral() for _ in range(mixers))
+        self.branch = branch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.mixer2(self.mixer(self.proj(x))).sum(-1) ** 2).mean()
+        x = self.proj(x)
+        for mixer in self.mixers:
+            x = mixer(x)
+        if self.branch:
+            x = torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+        return (x.sum(-1) ** 2).mean()
 
 
 def test_unsupported_ops_are_all_listed() -> None:
     with pytest.raises(UnsupportedOpsError) as info:
-        capture(WithFFT(), (torch.randn(4, 8),))
+        capture(WithCustomOp(mixers=7, branch=True), (torch.randn(4, 8),))
     msg = str(info.value)
-    fft = next(op for op in info.value.report if "fft" in op.target)
-    assert fft.count == 2
-    assert "mixer" in msg and "mixer2" in msg and "test_capture.py" in msg
-    assert "torch.fft.rfft" in msg
-    assert "--allow-replicate-fallback" in msg
+    custom = next(op for op in info.value.report if "spectral" in op.target)
+    assert custom.count == 7 and len(custom.places) == 7
+    assert "mixers.0" in msg and "mixers.4" in msg and "mixers.5" not in msg and "and 2 more" in msg
+    assert "test_capture.py" in msg and "return spectral(x)" in msg
+    cond = next(op for op in info.value.report if op.higher_order)
+    assert "torch.cond(" in cond.places[0], cond.places
+    assert "no replicated fallback" in msg
+    with pytest.raises(UnsupportedOpsError, match="cannot fall back"):
+        capture(WithCustomOp(branch=True), (torch.randn(4, 8),), allow_replicate_fallback=True)
 
 
 def test_fallback_captures_and_reports() -> None:
-    graph = capture(WithFFT(), (torch.randn(4, 8),), allow_replicate_fallback=True)
-    assert any("fft" in t for t in graph.fallback_ops)
+    graph = capture(WithCustomOp(), (torch.randn(4, 8),), allow_replicate_fallback=True)
+    assert graph.fallback_ops == ("hetsynth_test.spectral.default",)
     fallback = [n for n in graph.calls if n.fallback]
-    assert len(fallback) >= 2 and all("fft" in n.target or n.target in graph.fallback_ops for n in fallback)
+    assert len(fallback) == 2 and all("spectral" in n.target for n in fallback)
     assert summarize(graph)["fallback_ops"]
+
+
+class NoGradScale(nn.Module):
+    """A no_grad region computed from a parameter: its outputs must not carry a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.lin.weight.abs().sum()
+        return (self.lin(x) * scale).pow(2).mean()
+
+
+def test_no_grad_regions_are_inlined_without_gradient() -> None:
+    model, x = NoGradScale().double(), torch.randn(3, 4, dtype=torch.float64)
+    graph = capture(model, (x,))
+    assert all("wrap_with" not in n.target for n in graph.calls)
+    detached = [n for n in graph.calls if n.target == "aten.detach.default"]
+    assert detached and not detached[0].out.requires_grad
+    assert any("scale = self.lin.weight.abs().sum()" in n.source for n in graph.calls)
+    model(x).backward()
+    expected = model.lin.weight.grad.clone()
+    model.zero_grad()
+    run_graph(graph, graph_inputs(graph, model, (x,))).backward()
+    torch.testing.assert_close(model.lin.weight.grad, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_non_scalar_output_is_rejected() -> None:

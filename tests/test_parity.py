@@ -148,7 +148,7 @@ def test_vocab_parallel_loss(pools) -> None:
 def test_channel_parallel_conv(pools) -> None:
     ref = "vgg:tiny,dtype=float64"
     graph = capture_model(ref)
-    convs = nodes(graph, "aten.conv2d.default")
+    convs = nodes(graph, "aten.convolution.default")
     force = {convs[-1]: "S1", convs[-2]: "P"}   # output-channel split, then input-channel split
     plan = make(ref, [0.6, 0.4], Restrictions(force=force))
     check(pools, plan)

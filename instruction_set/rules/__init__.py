@@ -14,15 +14,21 @@ Shape-valued arguments (view sizes, expand sizes) are rewritten to the local out
 the runtime for the ops listed in SHAPE_ARG. Ops absent from the registry are unsupported; the
 capture reports them (and may accept them as replicated-only "fallback" ops).
 
-Each family module registers its rule functions with `register`.
+Each family module registers its rule functions with `register` (by op) or `register_tag` (every
+functional op carrying an ATen tag, such as `torch.Tag.pointwise`: one rule for all of them).
+The op surface these rules cover is listed in instruction_set.rules.surface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterable
 
+import torch
+
 from instruction_set.graph import Node, TensorMeta
+from instruction_set.interpret import resolve_target
 from instruction_set.layouts import PMAX, R, Layout, join
 
 
@@ -66,6 +72,9 @@ _REGISTRY: dict[str, RuleFn] = {}
 SHAPE_ARG: dict[str, int] = {}
 
 
+_TAGGED: dict[torch.Tag, RuleFn] = {}
+
+
 def register(targets: Iterable[str], fn: RuleFn, *, shape_arg: int | None = None) -> None:
     for target in targets:
         assert target not in _REGISTRY, f"two rule families for {target}"
@@ -74,16 +83,37 @@ def register(targets: Iterable[str], fn: RuleFn, *, shape_arg: int | None = None
             SHAPE_ARG[target] = shape_arg
 
 
+def register_tag(tag: torch.Tag, fn: RuleFn) -> None:
+    """Rules for every functional (not in-place) op carrying `tag`."""
+    assert tag not in _TAGGED, f"two rule families for {tag}"
+    _TAGGED[tag] = fn
+
+
+@lru_cache(maxsize=None)
+def _rule_fn(target: str) -> RuleFn | None:
+    fn = _REGISTRY.get(target)
+    if fn is not None:
+        return fn
+    try:
+        tags = set(resolve_target(target).tags)
+    except (AttributeError, ValueError):  # getitem, higher-order ops, unknown names
+        return None
+    if torch.Tag.inplace in tags:
+        return None
+    return next((f for tag, f in _TAGGED.items() if tag in tags), None)
+
+
 def replicated(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     """Only the replicated rule: every input R, output R, the full op on every rank."""
     return [Rule(tuple(R for _ in metas), R)]
 
 
 def is_supported(target: str) -> bool:
-    return target in _REGISTRY
+    return _rule_fn(target) is not None
 
 
-def supported_targets() -> list[str]:
+def registered_targets() -> list[str]:
+    """Ops registered by name (tag families cover more, see is_supported)."""
     return sorted(_REGISTRY)
 
 
@@ -91,7 +121,10 @@ def rules_for(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     """All rules of a call node; fallback nodes are replicated-only. Always includes all-R."""
     if node.fallback:
         return replicated(node, metas)
-    rules = _REGISTRY[node.target](node, metas)
+    fn = _rule_fn(node.target)
+    if fn is None:
+        raise KeyError(f"no sharding rule for {node.target} ({node.name})")
+    rules = fn(node, metas)
     assert any(r.output == R and all(i == R for i in r.inputs) for r in rules), node.target
     return [r for r in _dedup(rules) if _partials_are_float(r, node, metas)]
 
@@ -123,7 +156,7 @@ def norm_dim(dim: int, ndim: int) -> int:
 
 def _load_families() -> None:
     from instruction_set.rules import (  # noqa: F401  (imports register the families)
-        attention, contraction, conv, elementwise, embedding, factory, norm, reduction, views,
+        attention, contraction, conv, elementwise, embedding, norm, reduction, replicated_only, state, views,
     )
 
 

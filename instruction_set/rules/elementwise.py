@@ -1,46 +1,50 @@
-"""Elementwise ops, with broadcasting.
+"""Elementwise ops, with broadcasting: one rule for all of them.
+
+Every functional op ATen tags `torch.Tag.pointwise` (add, mul, exp, where, gelu, the
+comparisons, ...; registered as a tag family) and the untagged elementwise ops of ELEMENTWISE
+(dtype conversions, aliases, fills, dropout) get `pointwise_rules`:
 
 Sharding: the output may be sharded on any dim `d` of size > 1; an input whose aligned dim
 (numpy broadcasting aligns trailing dims) has the same size is then sharded on it, an input
 that broadcasts along `d` (size 1 or missing) stays R.
 
-Partial: an op that is linear in a tensor keeps it Partial when the other operands are R:
-  add/sub(P, P) -> P;  add/sub(P, R) -> P with R added on the keeper rank only (`once`);
-  mul(P, R), mul(R, P), div(P, R) -> P;  neg/clone/convert(P) -> P.
+Partial: an op that is linear in a tensor keeps it Partial when the other operands are R
+(LINEARITY):
+  additive  add/sub(P, P) -> P;  add/sub(P, R) -> P with R added on the keeper rank only (`once`);
+  bilinear  mul(P, R), mul(R, P) -> P;
+  first     div(P, R) -> P (linear in the numerator);
+  unary     neg, clone, mul/div by a scalar, conversions between float dtypes, aliases,
+            zeros_like: P -> P.
 """
 
 from __future__ import annotations
 
+import torch
+
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, R, S
-from instruction_set.rules import Rule, register
+from instruction_set.rules import Rule, register, register_tag
 
-ADDITIVE = ["aten.add.Tensor", "aten.sub.Tensor"]
-SCALING = ["aten.mul.Tensor", "aten.div.Tensor"]
-LINEAR_UNARY = [
-    "aten.neg.default", "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
-    "aten.detach.default", "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default",
-    "aten.lift_fresh_copy.default", "aten.zeros_like.default", "aten.type_as.default",
-]
-NONLINEAR = [
-    "aten.exp.default", "aten.log.default", "aten.tanh.default", "aten.gelu.default",
-    "aten.relu.default", "aten.silu.default", "aten.sigmoid.default", "aten.sqrt.default",
-    "aten.rsqrt.default", "aten.erf.default", "aten.abs.default", "aten.reciprocal.default",
-    "aten.square.default", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor",
-    "aten.rsub.Scalar", "aten.rsub.Tensor", "aten.dropout.default", "aten.clamp.default",
-    "aten.clamp_min.default", "aten.clamp_max.default", "aten.minimum.default",
-    "aten.maximum.default", "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf",
-    "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.ne.Scalar", "aten.ne.Tensor",
-    "aten.eq.Scalar", "aten.eq.Tensor", "aten.lt.Scalar", "aten.lt.Tensor", "aten.gt.Scalar",
-    "aten.gt.Tensor", "aten.le.Scalar", "aten.le.Tensor", "aten.ge.Scalar", "aten.ge.Tensor",
-    "aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default",
-    "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_not.default",
-    "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor", "aten.ones_like.default",
-    "aten.full_like.default", "aten.empty_like.default", "aten.silu_.default",
-    "aten.relu_.default", "aten.add.Scalar", "aten.sub.Scalar", "aten.mul.Scalar",
-    "aten.div.Scalar", "aten.floor_divide.default", "aten.remainder.Scalar", "aten.sin.default",
-    "aten.cos.default", "aten.log1p.default", "aten.expm1.default", "aten.sign.default",
-    "aten.fill.Scalar", "aten.softplus.default", "aten.hardtanh.default", "aten.leaky_relu.default",
+ADDITIVE, BILINEAR, FIRST, UNARY = "additive", "bilinear", "first", "unary"
+
+LINEARITY: dict[str, str] = {
+    "aten.add.Tensor": ADDITIVE, "aten.sub.Tensor": ADDITIVE, "aten.mul.Tensor": BILINEAR,
+    "aten.div.Tensor": FIRST, "aten.neg.default": UNARY, "aten.clone.default": UNARY,
+    "aten.mul.Scalar": UNARY, "aten.div.Scalar": UNARY, "aten.alias.default": UNARY,
+    "aten.detach.default": UNARY, "aten._to_copy.default": UNARY, "aten.to.dtype": UNARY,
+    "aten.to.dtype_layout": UNARY, "aten.contiguous.default": UNARY,
+    "aten.lift_fresh_copy.default": UNARY, "aten.zeros_like.default": UNARY,
+    "aten.type_as.default": UNARY,
+}
+
+# Elementwise ops without the pointwise tag (conversions, aliases, fills, dropout).
+ELEMENTWISE = [
+    "aten._to_copy.default", "aten.alias.default", "aten.detach.default", "aten.fill.Scalar",
+    "aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default",
+    "aten.empty_like.default", "aten.copy.default", "aten.native_dropout.default",
+    "aten.lift_fresh_copy.default", "aten.masked_fill.Tensor", "aten.to.dtype",
+    "aten.to.dtype_layout", "aten.contiguous.default", "aten.type_as.default",
+    "aten.dropout.default", "aten.bernoulli.p", "aten.rand_like.default", "aten.randn_like.default",
 ]
 
 
@@ -59,31 +63,25 @@ def shard_rules(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     return rules
 
 
-def _additive(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
-    rules = shard_rules(node, metas)
-    if len(metas) == 2:
-        rules += [Rule((P, P), P), Rule((P, R), P, "once:1"), Rule((R, P), P, "once:0")]
-    return rules
+def _partial_rules(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    """Partial rules of the ops in LINEARITY (the tensor inputs are metas, in order)."""
+    kind = LINEARITY.get(node.target)
+    if kind == ADDITIVE and len(metas) == 2:
+        return [Rule((P, P), P), Rule((P, R), P, "once:1"), Rule((R, P), P, "once:0")]
+    if kind == BILINEAR and len(metas) == 2:
+        return [Rule((P, R), P), Rule((R, P), P)]
+    if kind == FIRST and len(metas) == 2:
+        return [Rule((P, R), P)]
+    first_is_tensor = bool(node.args) and isinstance(node.args[0], dict)
+    unary = kind == UNARY or (kind in (BILINEAR, FIRST) and first_is_tensor)
+    if unary and len(metas) == 1 and node.outputs[0].is_float == metas[0].is_float:
+        return [Rule((P,), P)]
+    return []
 
 
-def _scaling(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
-    rules = shard_rules(node, metas)
-    if len(metas) == 1:
-        return rules + [Rule((P,), P)]
-    rules.append(Rule((P, R), P))
-    if node.target == "aten.mul.Tensor":
-        rules.append(Rule((R, P), P))
-    return rules
+def pointwise_rules(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    return shard_rules(node, metas) + _partial_rules(node, metas)
 
 
-def _linear_unary(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
-    rules = shard_rules(node, metas)
-    if len(metas) == 1 and node.outputs[0].is_float == metas[0].is_float:
-        rules.append(Rule((P,), P))
-    return rules
-
-
-register(ADDITIVE, _additive)
-register(SCALING, _scaling)
-register(LINEAR_UNARY, _linear_unary)
-register(NONLINEAR, shard_rules)
+register(ELEMENTWISE, pointwise_rules)
+register_tag(torch.Tag.pointwise, pointwise_rules)

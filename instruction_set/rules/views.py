@@ -185,6 +185,27 @@ def _index_select(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     return _other_dims(node, metas, {norm_dim(arg(node, 1, "dim"), len(metas[0].shape))})
 
 
+def _repeat(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    """x.repeat(r): output dim j tiles input dim j - lead r[j] times; untiled dims shard."""
+    shape, reps = metas[0].shape, arg(node, 1, "repeats")
+    lead = len(reps) - len(shape)
+    rules = _base(1)
+    rules += [Rule((S(d),), S(d + lead)) for d, size in enumerate(shape) if size > 1 and reps[d + lead] == 1]
+    return rules
+
+
+def _scatter_into(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    """slice_scatter / select_scatter(x, src, dim, ...): other dims shard x and src alike."""
+    shape = metas[0].shape
+    dim = norm_dim(arg(node, 2, "dim", 0), len(shape))
+    selected = node.target == "aten.select_scatter.default"
+    rules = [Rule((R, R), R), Rule((P, P), P)]
+    for d, size in enumerate(shape):
+        if d != dim and size > 1:
+            rules.append(Rule((S(d), S(d - (selected and d > dim))), S(d)))
+    return rules
+
+
 def _flip(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     nd = len(metas[0].shape)
     return _other_dims(node, metas, {norm_dim(d, nd) for d in arg(node, 1, "dims")})
@@ -208,3 +229,5 @@ register(["aten.expand.default"], _expand, shape_arg=1)
 register(["aten.pad.default", "aten.constant_pad_nd.default"], _pad)
 register(["aten.index_select.default"], _index_select)
 register(["aten.flip.default"], _flip)
+register(["aten.repeat.default"], _repeat)
+register(["aten.slice_scatter.default", "aten.select_scatter.default"], _scatter_into)
