@@ -24,6 +24,7 @@ from instruction_set.interpret import call_node
 from instruction_set.layouts import P, PMAX, R, shard_dim
 from instruction_set.local import EagerBuilder, LocalContext, emit_local
 from instruction_set.rules import Rule, rules_for
+from instruction_set.rules.state import BUFFER_UPDATE
 from instruction_set.shards import DimClasses
 from planner.capture import capture
 from planner.problem import rule_links
@@ -88,6 +89,62 @@ class Lookup(nn.Module):
         return ce + torch.cumsum(hot, dim=1).mean() + top.sum() + x[:, 0].sum()
 
 
+class GroupedAttention(nn.Module):
+    """Grouped-query attention (enable_gqa and the repeat_kv form) and multi-query attention."""
+
+    def __init__(self, kv_heads: int, group: int, hd: int) -> None:
+        super().__init__()
+        self.kv, self.group, self.hd = kv_heads, group, hd
+        h = kv_heads * group * hd
+        self.q = nn.Linear(h, h)
+        self.kvp = nn.Linear(h, 2 * kv_heads * hd)
+        self.mq = nn.Linear(h, 2 * hd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.kv * self.group, self.hd).transpose(1, 2)
+        k, v = self.kvp(x).view(b, s, 2 * self.kv, self.hd).transpose(1, 2).chunk(2, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        rep = lambda t: t[:, :, None].expand(b, self.kv, self.group, s, self.hd).reshape(b, -1, s, self.hd)
+        c = F.scaled_dot_product_attention(q, rep(k), rep(v), is_causal=True)
+        mk, mv = self.mq(x).view(b, s, 2, self.hd).transpose(1, 2).chunk(2, dim=1)
+        m = F.scaled_dot_product_attention(q, mk, mv, enable_gqa=True)
+        return (a * c).sum() + m.mean()
+
+
+class ConvNorms(nn.Module):
+    """BatchNorm (training: decomposed, running statistics updated), depthwise and transposed
+    convolutions, GroupNorm, reflection padding, average pooling, nearest upsampling."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2 * c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(2 * c)
+        self.dw = nn.Conv2d(2 * c, 2 * c, 3, padding=1, groups=2 * c, bias=False)
+        self.gn = nn.GroupNorm(c, 2 * c)
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(img)))
+        x = self.gn(self.dw(x))
+        y = F.avg_pool2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), 2)
+        y = F.interpolate(y, scale_factor=2, mode="nearest")
+        return y.mean() + self.up(x).pow(2).mean() + F.max_pool2d(x, 2).sum()
+
+
+class Indexing(nn.Module):
+    """Advanced indexing, variance, scatter_add, repeat, slice_scatter (as T5's shift right)."""
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        picked = x[torch.arange(b), idx % s]
+        scattered = torch.zeros_like(x).scatter_add(1, (idx % s)[:, None, None].expand(b, 1, h), x[:, :1])
+        shifted = x.new_zeros(x.shape)
+        shifted[:, 1:] = x[:, :-1]
+        return (picked.sum() + x.var(dim=1).mean() + scattered.sum() + x.repeat(1, 2, 1).mean()
+                + (shifted * x).sum())
+
+
 def _models(dims: dict) -> list[tuple[nn.Module, tuple[torch.Tensor, ...]]]:
     b, s, h, heads, v = dims["b"], dims["s"], dims["heads"] * dims["hd"], dims["heads"], dims["v"]
     g = torch.Generator().manual_seed(dims["seed"])
@@ -95,6 +152,9 @@ def _models(dims: dict) -> list[tuple[nn.Module, tuple[torch.Tensor, ...]]]:
         (Block(h, heads), (torch.randn(b, s, h, generator=g),)),
         (Conv(dims["c"]), (torch.randn(b, 3, 2 * s, 2 * s, generator=g),)),
         (Lookup(v, h), (torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g))),
+        (GroupedAttention(dims["heads"], dims["hd"] + 1, dims["hd"]), (torch.randn(b, s, h * (dims["hd"] + 1), generator=g),)),
+        (ConvNorms(dims["c"]), (torch.randn(b + 1, 3, 2 * s, 2 * s, generator=g),)),
+        (Indexing(), (torch.randn(b, s, h, generator=g), torch.randint(0, 9, (b,), generator=g))),
     ]
 
 
@@ -106,6 +166,8 @@ def _values(graph: ReferenceGraph, module: nn.Module, inputs: tuple) -> dict:
             env[node.name] = state[node.fqn].detach()
         elif node.op == "input":
             env[node.name] = next(user)
+        elif node.target == BUFFER_UPDATE:  # keep the buffer's old value for the ops reading it
+            env[node.name] = env[node.inputs[0]]
         else:
             env[node.name] = call_node(node, env, torch.device("cpu"))
     return env
@@ -209,7 +271,9 @@ def test_every_rule_matches_single_device(dims: dict, ratios: list[float]) -> No
         sizes = {(n.name, d): s for n in graph.nodes for d, s in enumerate(n.outputs[0].shape)}
         classes = DimClasses(sizes, [l for n in graph.calls for l in rule_links(n, rules[n.name])])
         for node in graph.calls:
+            if node.target == BUFFER_UPDATE:  # written by the trainer after backward (runtime)
+                continue
             for rule in rules[node.name]:
                 _check_rule(node, rule, env, classes, ratios, g)
                 checked += 1
-    assert checked > 200
+    assert checked > 400
