@@ -141,11 +141,17 @@ class _Emitter:
         shapes = tuple(local_shape(self.plan, node.name, ins.layout, self.rank, m.shape) for m in node.outputs)
         offsets = {}
         if local_kinds(ins.local) & {"gather_sharded", "embedding_sharded"}:
-            t, layout = node.inputs[0], ins.inputs[0]
-            (dim, lengths), = self.plan.lengths(t, layout).items()
-            offsets[0] = rank_offset(lengths, layout, dim, mesh, self.rank)
+            offsets[0] = self._lookup_offset(node, ins)
         return LocalContext(shapes, self.device, dropped_inputs(ins.local, mesh.node(self.rank), mesh.local(self.rank)),
                             offsets, _global_count(self.plan, node))
+
+    def _lookup_offset(self, node: Node, ins: Instruction) -> int:
+        """Start of this rank's rows along the dim a sharded lookup reads (the gather dim, or
+        the embedding's vocabulary dim), whatever other dims the layout splits (S0|S1)."""
+        t, layout = node.inputs[0], ins.inputs[0]
+        ndim = len(self.plan.graph.node(t).out.shape)
+        dim = 0 if node.target == "aten.embedding.default" else node.args[1] % ndim
+        return rank_offset(self.plan.lengths(t, layout)[dim], layout, dim, self.groups.mesh, self.rank)
 
     def _sfb(self, ins: Instruction, node: Node, values: list[fx.Node]) -> fx.Node:
         sfb = self.sfb[ins.node]
