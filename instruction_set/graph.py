@@ -4,7 +4,8 @@ A `ReferenceGraph` is the captured forward pass of a model as ATen ops (torch.ex
 training IR), in a topological order, as plain data:
 
 - `Node.op` is `param`, `buffer` or `input` for graph inputs and `call` for ops; the graph's
-  single output is the scalar loss named by `ReferenceGraph.loss`.
+  single output is the scalar loss named by `ReferenceGraph.loss`. A tensor the forward makes
+  from Python values (`x[..., [-2]]`) is a `buffer` whose `value` holds its elements.
 - `Node.target` is the ATen overload (`aten.linear.default`) or `getitem` (an element of a
   multi-output op such as `aten.split.Tensor`).
 - `Node.args` / `kwargs` are JSON-encoded (instruction_set.args); `Node.inputs` lists the
@@ -69,6 +70,7 @@ class Node(BaseModel):
     module_path: str = ""
     source: str = ""
     fqn: str = ""
+    value: Any = None  # a constant's elements (nested lists of numbers), for buffer nodes without fqn
     fallback: bool = False
     measured_s: float | None = None  # forward + backward on the reference device (op profile)
 

@@ -23,10 +23,22 @@ def resolve_target(target: str) -> Any:
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+# Views run as reshapes: the graph records `view` where the traced tensor's strides allowed
+# it, but strides are not part of the graph, and a kernel may lay out its output otherwise at
+# run time (sdpa's output on another device or dtype); reshape views when it can, else copies.
+RUN_AS = {"aten.view.default": torch.ops.aten.reshape.default,
+          "aten._unsafe_view.default": torch.ops.aten.reshape.default}
+
+
+def run_target(target: str) -> Any:
+    """The callable that runs a graph node's op (RUN_AS, else the op itself)."""
+    return RUN_AS.get(target) or resolve_target(target)
+
+
 def call_node(node: Node, env: Mapping[str, Any], device: torch.device) -> Any:
     args = decode_arg(list(node.args), env.__getitem__, device)
     kwargs = {k: decode_arg(v, env.__getitem__, device) for k, v in node.kwargs.items()}
-    return resolve_target(node.target)(*args, **kwargs)
+    return run_target(node.target)(*args, **kwargs)
 
 
 def run_graph(graph: ReferenceGraph, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -37,6 +49,11 @@ def run_graph(graph: ReferenceGraph, values: Mapping[str, torch.Tensor]) -> torc
     return env[graph.loss]
 
 
+def constant(node: Node, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor of a constant node (a buffer with a value)."""
+    return torch.tensor(node.value, dtype=getattr(torch, node.out.dtype), device=device).reshape(node.out.shape)
+
+
 def graph_inputs(graph: ReferenceGraph, module: torch.nn.Module,
                  inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
     """Values of the graph's params, buffers (by fully-qualified name) and user inputs."""
@@ -44,7 +61,9 @@ def graph_inputs(graph: ReferenceGraph, module: torch.nn.Module,
     user = iter(inputs)
     out = {}
     for node in graph.nodes:
-        if node.op in ("param", "buffer"):
+        if node.value is not None:
+            out[node.name] = constant(node)
+        elif node.op in ("param", "buffer"):
             out[node.name] = state[node.fqn]
         elif node.op == "input":
             out[node.name] = next(user)

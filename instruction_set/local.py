@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from instruction_set.args import decode_arg
 from instruction_set.graph import Node
-from instruction_set.interpret import resolve_target
+from instruction_set.interpret import resolve_target, run_target
 from instruction_set.rules import SHAPE_ARG
 from instruction_set.rules.conv import PLANE_OPS
 
@@ -188,7 +188,7 @@ def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext,
     if "amax_sharded" in kinds:
         return builder.call(amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False),
                             {}, name=name)
-    return builder.call(LOCAL_TARGETS.get(node.target) or resolve_target(node.target), a, k, name=name)
+    return builder.call(LOCAL_TARGETS.get(node.target) or run_target(node.target), a, k, name=name)
 
 
 def local_kinds(local: str) -> set[str]:

@@ -1,8 +1,11 @@
 """Capture an nn.Module into the reference graph (instruction_set.graph).
 
 1. `torch.export.export(..., strict=False)` in training mode gives an ATen graph in the
-   training IR. Exporting a module on the meta device allocates nothing, so a 1.5B-parameter
-   model captures in seconds.
+   training IR. The module's parameters, buffers and the example inputs are swapped for
+   FakeTensors that claim the CPU (and restored afterwards): nothing is allocated, so a
+   1.5B-parameter model built on the meta device captures in seconds, and a tensor the
+   forward makes from Python values (`x[..., [-2]]`, `torch.tensor(0.5)`) keeps its value,
+   which the graph carries as a constant (a meta tensor would have none).
 2. planner.lower lowers it to the op surface: no_grad regions inlined (their outputs
    detached), cross-entropy and the normalisations decomposed, torch's core ATen
    decompositions applied except for the composites kept whole, in-place ops made functional
@@ -23,11 +26,13 @@ from __future__ import annotations
 import json
 import operator
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from instruction_set.args import decode_arg, encode_arg, refs_in
@@ -80,10 +85,36 @@ def _meta_of(t: torch.Tensor) -> TensorMeta:
                       requires_grad=bool(t.requires_grad))
 
 
+@contextmanager
+def _faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """The module's parameters and buffers as FakeTensors on the CPU, restored on exit."""
+    saved: list[tuple[dict, str, Any]] = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, value in table.items():
+                if value is not None:
+                    saved.append((table, name, value))
+                    fake = _fake(mode, value)
+                    table[name] = nn.Parameter(fake, value.requires_grad) if isinstance(value, nn.Parameter) else fake
+    try:
+        yield
+    finally:
+        for table, name, value in saved:
+            table[name] = value
+
+
+def _fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    meta = t.detach() if t.is_meta else torch.empty_like(t.detach(), device=META)
+    return FakeTensor(mode, meta, torch.device("cpu"))
+
+
 def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> Lowered:
     model.train()
+    mode = FakeTensorMode()
+    fake_inputs = tuple(_fake(mode, t) for t in inputs)
     try:
-        ep = torch.export.export(model, tuple(inputs), strict=False)
+        with _faked(model, mode), mode:
+            ep = torch.export.export(model, fake_inputs, strict=False)
     except Exception as err:  # export raises many types; report them as one capture error
         raise CaptureError(f"torch.export could not trace the model: {type(err).__name__}: {err}") from err
     try:
@@ -157,12 +188,25 @@ def _cache_key(target: str, args: list, kwargs: dict, replay: _Replay) -> str:
     return json.dumps([target, sub(args), {k: sub(v) for k, v in kwargs.items()}], default=str)
 
 
-def _placeholder(node: fx.Node, kind: str, fqn: str, replay: _Replay) -> Node:
+MAX_CONSTANT = 4096  # elements of a constant kept in the graph
+
+
+def _placeholder(node: fx.Node, kind: str, fqn: str, replay: _Replay, constants: dict[str, torch.Tensor]) -> Node:
     val = node.meta["val"]
     t = torch.empty(val.shape, dtype=val.dtype, device=META)
     t.requires_grad_(kind == "param" and t.is_floating_point())
     replay.env[node.name] = t
+    if kind == "const":
+        return Node(name=node.name, op="buffer", outputs=(_meta_of(t),), value=_constant_value(fqn, constants[node.name]))
     return Node(name=node.name, op=kind, fqn=fqn, outputs=(_meta_of(t),))
+
+
+def _constant_value(fqn: str, value: torch.Tensor) -> Any:
+    if isinstance(value, FakeTensor) or value.is_meta or value.numel() > MAX_CONSTANT:
+        raise CaptureError(f"the forward makes a tensor {fqn!r} of shape {tuple(value.shape)} whose values "
+                           f"the graph cannot keep (computed, or over {MAX_CONSTANT} elements); create it in "
+                           "__init__ and register it as a buffer instead")
+    return value.detach().cpu().tolist()
 
 
 def _call(node: fx.Node, replay: _Replay) -> Node:
@@ -219,7 +263,7 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_r
     replay, nodes, higher_order = _Replay(), [], set()
     for node in lowered.graph_module.graph.nodes:
         if node.op == "placeholder":
-            nodes.append(_placeholder(node, *lowered.kinds[node.name], replay))
+            nodes.append(_placeholder(node, *lowered.kinds[node.name], replay, lowered.constants))
         elif node.op == "call_function":
             nodes.append(_call(node, replay))
             if isinstance(node.target, torch._ops.HigherOrderOperator):

@@ -23,7 +23,9 @@ written against (instruction_set.rules):
    are decomposed into primitives (planner.decompose_norm), so that a batch-split batch norm
    reduces its statistics across the batch group like SyncBatchNorm, as collectives the
    planner chooses and costs.
-6. **Buffer updates.** Every BUFFER_MUTATION output becomes a node `aten.copy_(buffer, new)`
+6. **Constants.** A tensor the forward makes from Python values (`x[..., [-2]]`) is a
+   CONSTANT_TENSOR input; planner.capture keeps its value in the graph.
+7. **Buffer updates.** Every BUFFER_MUTATION output becomes a node `aten.copy_(buffer, new)`
    placed right after the new value is computed (and after the last read of the old one).
    A forward that mutates its inputs or parameters is refused.
 
@@ -69,7 +71,8 @@ class LoweringError(ValueError):
 @dataclass
 class Lowered:
     graph_module: fx.GraphModule
-    kinds: dict[str, tuple[str, str]]  # placeholder name -> (param | buffer | input, fqn)
+    kinds: dict[str, tuple[str, str]]  # placeholder name -> (param | buffer | input | const, fqn)
+    constants: dict[str, torch.Tensor]  # const placeholder name -> its value
     outputs: list[str]  # names of the forward's user outputs (one scalar loss, checked by capture)
 
 
@@ -156,7 +159,7 @@ def _inline_grad_regions(gm: fx.GraphModule) -> None:
 # -- mutations ------------------------------------------------------------------------------------
 
 def _placeholder_kinds(ep: torch.export.ExportedProgram) -> dict[str, tuple[str, str]]:
-    kinds = {"PARAMETER": "param", "BUFFER": "buffer", "USER_INPUT": "input"}
+    kinds = {"PARAMETER": "param", "BUFFER": "buffer", "USER_INPUT": "input", "CONSTANT_TENSOR": "const"}
     out = {}
     for spec in ep.graph_signature.input_specs:
         kind = kinds.get(spec.kind.name)
@@ -217,7 +220,8 @@ def lower(ep: torch.export.ExportedProgram, *, table: dict | None = None) -> Low
     updates, outputs = _buffer_updates(ep)
     _insert_updates(gm, updates, kinds)
     gm.graph.lint()
-    return Lowered(gm, kinds, outputs)
+    constants = {name: ep.constants[fqn] for name, (kind, fqn) in kinds.items() if kind == "const"}
+    return Lowered(gm, kinds, constants=constants, outputs=outputs)
 
 
 __all__ = ["BUFFER_UPDATE", "KEEP", "Lowered", "LoweringError", "decomposition_table", "lower",

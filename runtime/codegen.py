@@ -28,6 +28,7 @@ import torch
 from torch import fx, nn
 
 from instruction_set.graph import Node
+from instruction_set.interpret import constant
 from instruction_set.layouts import is_shard
 from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
 from instruction_set.plan import Plan
@@ -107,7 +108,8 @@ class _Emitter:
         if self.state is None:
             shape = local_shape(self.plan, node.name, layout, self.rank, meta.shape)
             return torch.empty(shape, dtype=getattr(torch, meta.dtype), device="meta")
-        part = local_slice(self.plan, node.name, layout, self.rank, self.state[node.fqn])
+        whole = constant(node) if node.value is not None else self.state[node.fqn]
+        part = local_slice(self.plan, node.name, layout, self.rank, whole)
         return part.detach().clone().to(self.device)
 
     def storage(self, ins: Instruction) -> None:
