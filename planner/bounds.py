@@ -9,7 +9,9 @@
 
 `out` is computed on demand and memoised; recursion follows consumers, which have larger
 topological indices, so it terminates. A layout from which no consumer rule is reachable
-gets an infinite bound (a dead end).
+gets an infinite bound (a dead end). E for a tensor held in H is kept as suffix maxima over
+its consumers, so a tensor read by every layer (rotary tables, a causal mask) costs one pass
+over its consumers per held set, not one per depth.
 """
 
 from __future__ import annotations
@@ -33,16 +35,20 @@ class ChainBound:
         self.min_compute = [min(pb.compute_s(n, ri) for ri in range(len(pb.rules[n.name])))
                             for n in pb.order]
         self._out: dict[tuple[str, Layout], float] = {}
-        self._held: dict[tuple[str, frozenset[Layout], int], float] = {}
+        self._suffix: dict[tuple[str, frozenset[Layout]], list[float]] = {}
+        self._options: dict[tuple[str, int], list[tuple[tuple[Layout, ...], float, str, Layout]]] = {}
+        self._conv: dict[tuple[str, frozenset[Layout], Layout], float] = {}
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(pb.order) + 1000))
 
     def bound(self, tensor: str, held: frozenset[Layout], k: int) -> float:
         users = self.consumers.get(tensor, [])
-        first = bisect.bisect_left(users, k)
-        key = (tensor, held, first)
-        if key not in self._held:
-            self._held[key] = max((self._via(tensor, held, j) for j in users[first:]), default=0.0)
-        return self._held[key]
+        suffix = self._suffix.get((tensor, held))
+        if suffix is None:
+            suffix = [0.0] * (len(users) + 1)
+            for i in range(len(users) - 1, -1, -1):
+                suffix[i] = max(suffix[i + 1], self._via(tensor, held, users[i]))
+            self._suffix[(tensor, held)] = suffix
+        return suffix[bisect.bisect_left(users, k)]
 
     def out(self, tensor: str, layout: Layout) -> float:
         key = (tensor, layout)
@@ -54,21 +60,28 @@ class ChainBound:
 
     def _via(self, tensor: str, held: frozenset[Layout], j: int) -> float:
         """min over consumer j's rules of conversion + extra compute + the output's bound."""
-        pb = self.pb
-        node = pb.order[j]
         best = INF
-        for ri, rule in enumerate(pb.rules[node.name]):
-            conv = 0.0
-            for t, want in zip(node.inputs, rule.inputs):
-                if t == tensor and want not in held:
-                    conv = max(conv, self._conversion(tensor, held, want))
-            if conv == INF:
-                continue
-            extra = pb.compute_s(node, ri) - self.min_compute[j]
-            best = min(best, conv + extra + self.out(node.name, rule.output))
+        for wants, extra, node, output in self._rule_options(tensor, j):
+            conv = max((self._conversion(tensor, held, w) for w in wants if w not in held), default=0.0)
+            if conv != INF:
+                best = min(best, conv + extra + self.out(node, output))
         return best
 
+    def _rule_options(self, tensor: str, j: int) -> list[tuple[tuple[Layout, ...], float, str, Layout]]:
+        """Per rule of consumer j: the layouts it wants `tensor` in, its extra compute and output."""
+        key = (tensor, j)
+        if key not in self._options:
+            pb, node = self.pb, self.pb.order[j]
+            self._options[key] = [
+                (tuple(w for t, w in zip(node.inputs, rule.inputs) if t == tensor),
+                 pb.compute_s(node, ri) - self.min_compute[j], node.name, rule.output)
+                for ri, rule in enumerate(pb.rules[node.name])]
+        return self._options[key]
+
     def _conversion(self, tensor: str, held: frozenset[Layout], want: Layout) -> float:
-        costs = [sum(s.cost_s for s in p) for p in (self.pb.conversion(tensor, h, want) for h in held)
-                 if p is not None]
-        return min(costs, default=INF)
+        key = (tensor, held, want)
+        if key not in self._conv:
+            costs = [sum(s.cost_s for s in p) for p in (self.pb.conversion(tensor, h, want) for h in held)
+                     if p is not None]
+            self._conv[key] = min(costs, default=INF)
+        return self._conv[key]

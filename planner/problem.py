@@ -12,7 +12,10 @@
   per-device vector (costs, shares, memory) has one entry per class, `width` entries;
 - liveness: the index of each tensor's last consumer, so states keep only live tensors;
 - compute cost per (node, rule) and the cheapest conversion between two layouts of a tensor
-  (one or two collectives on some mesh axis, the best variant of each), memoised.
+  (one or two collectives on some mesh axis, the best variant of each), memoised, and shared
+  by tensors of the same structure (shape, dtype, gradient, and per dim its size, dim class
+  root and unit and batch-ness: all a conversion's cost depends on), so the layers of a
+  repeated block compute each conversion once.
 
 Costs are seconds per training step (forward and backward).
 """
@@ -286,9 +289,25 @@ class Problem:
         """Cheapest path of at most two instructions from src to dst (None if none)."""
         key = (tensor, src, dst)
         if key not in self._conv:
-            paths = [p for p in self._paths(tensor, src, dst) if p is not None]
-            self._conv[key] = min(paths, key=lambda p: sum(s.cost_s for s in p)) if paths else None
+            shared = self.memo.setdefault("conversion", {})
+            skey = (self.structure(tensor), src, dst)
+            if skey not in shared:
+                paths = [p for p in self._paths(tensor, src, dst) if p is not None]
+                shared[skey] = min(paths, key=lambda p: sum(s.cost_s for s in p)) if paths else None
+            self._conv[key] = shared[skey]
         return self._conv[key]
+
+    def structure(self, tensor: str) -> tuple:
+        """What the conversions of a tensor depend on (its steps name no tensor)."""
+        memo = self.memo.setdefault("structure", {})
+        if tensor not in memo:
+            meta = self.meta(tensor)
+            dims = []
+            for d, size in enumerate(meta.shape):
+                cls = self.classes.classes[self.classes.class_id(tensor, d)]
+                dims.append((size, cls.root_size, cls.unit, self.classes.class_id(tensor, d) in self.batch_classes))
+            memo[tensor] = (meta.dtype, meta.requires_grad, self.is_multi(tensor), tuple(dims))
+        return memo[tensor]
 
     def _axis_step(self, tensor: str, a: Layout, b: Layout, src: Layout, dst: Layout, axis: str) -> Step | None:
         """The instruction turning placement a into b along one axis (src -> dst overall)."""

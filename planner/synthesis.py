@@ -45,7 +45,10 @@ of f = g + h; a stratum is the set of facts a state holds about long-lived tenso
 read again more than `HORIZON` nodes later, such as a tied embedding), so that a choice
 whose price comes much later (store the embedding sharded now, all-gather it at the output
 layer) cannot crowd out the alternatives; at most `width * MAX_STRATA` states are expanded
-per depth in all. `SearchResult.exact` is False when a state was left unexpanded for this
+per depth in all. A tensor read by more than MAX_STRATUM_READS nodes (a causal mask or rotary
+table that every layer reads) defines no stratum: its layout is priced at each layer's read,
+which the heuristic sees, not only much later (as strata, the layouts of a Llama's mask
+doubled the expansions without changing the plan). `SearchResult.exact` is False when a state was left unexpanded for this
 reason. The number of expansions grows linearly with depth.
 
 Lazy evaluation. Most generated states are never expanded, so a state enters the queue with
@@ -83,6 +86,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WIDTH = 32
 HORIZON = 40  # nodes; facts of tensors read again later than this define a state's stratum
+MAX_STRATUM_READS = 3  # ... unless more nodes than this read the tensor (a per-layer input)
 MAX_STRATA = 4  # at most width * MAX_STRATA expansions per depth in all
 
 
@@ -112,9 +116,12 @@ class _Facts:
     """Integer ids of layout facts, with each id's tensor, and tensors dying at each node."""
 
     def __init__(self, pb: Problem) -> None:
+        self.pb = pb
         self.id: dict[Fact, int] = {}
         self.facts: list[Fact] = []
         self.tensor: list[str] = []
+        self.free: list[bool] = []        # (t, L) follows from (t, R) at no cost (a local slice)
+        self.r_id: dict[str, int] = {}    # tensor -> id of its R fact
         dead: list[list[str]] = [[] for _ in pb.order]
         for tensor, k in pb.last_use.items():
             if k < len(pb.order):
@@ -133,8 +140,22 @@ class _Facts:
                 i = self.id[f] = len(self.facts)
                 self.facts.append(f)
                 self.tensor.append(f[0])
+                self.free.append(f[1] != R and self._free_from_r(*f))
+                if f[1] == R:
+                    self.r_id[f[0]] = i
             out.append(i)
         return frozenset(out)
+
+    def _free_from_r(self, tensor: str, layout: Layout) -> bool:
+        steps = self.pb.conversion(tensor, R, layout)
+        return steps is not None and all(s.cost_s == 0.0 for s in steps)
+
+    def prune(self, ids: frozenset[int]) -> frozenset[int]:
+        """Without the facts that follow at no cost from an R fact also held: a consumer
+        re-derives them for free, so states that differ only in them are one state."""
+        if not any(self.free[i] for i in ids):
+            return ids
+        return frozenset(i for i in ids if not (self.free[i] and self.r_id.get(self.tensor[i]) in ids))
 
     def decode(self, ids: frozenset[int]) -> frozenset[Fact]:
         return frozenset(self.facts[i] for i in ids)
@@ -253,11 +274,13 @@ class _Search:
         return [instantiate(m, names) for m in self.shared[key]]
 
     def _long_lived(self) -> list[frozenset[str]]:
-        """Per depth k: tensors live at k whose next read is more than HORIZON nodes away."""
+        """Per depth k: tensors live at k whose next read is more than HORIZON nodes away,
+        read by at most MAX_STRATUM_READS nodes."""
         reads: dict[str, list[int]] = {}
         for j, node in enumerate(self.pb.order):
-            for t in node.inputs:
+            for t in dict.fromkeys(node.inputs):
                 reads.setdefault(t, []).append(j)
+        reads = {t: js for t, js in reads.items() if len(js) <= MAX_STRATUM_READS}
         out = []
         for k in range(self.n + 1):
             out.append(frozenset(t for t, js in reads.items()
@@ -295,7 +318,7 @@ class _Search:
             expanded += 1
             self.report.tick(expanded, k, f)
             for move, bits in self.successors(k, mask):
-                nxt = (k + 1, self.F.drop(mask | bits, self.F.dead_sets[k]))
+                nxt = (k + 1, self.F.prune(self.F.drop(mask | bits, self.F.dead_sets[k])))
                 new = cost + move.cost
                 if new < g.get(nxt, float("inf")) - 1e-15:
                     g[nxt], parent[nxt] = new, (state, move)
