@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hetsynth.zoo import bert, gpt, hf, moe, vgg, vit
+from hetsynth.zoo import bert, gpt, hf, moe, resnet, torch_layers, vgg, vit
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,11 @@ ZOO: dict[str, ZooModel] = {
                     vgg.VGGConfig, vgg.PRESETS, vgg.build, vgg.example_inputs, vgg.make_batch),
     "moe": ZooModel("moe", "transformer with top-2 gated mixture-of-experts FFNs",
                     moe.MoEConfig, moe.PRESETS, moe.build, moe.example_inputs, moe.make_batch),
+    "resnet": ZooModel("resnet", "ResNet with BatchNorm in training mode, in-place residual adds",
+                       resnet.ResNetConfig, resnet.PRESETS, resnet.build, resnet.example_inputs, resnet.make_batch),
+    "torch": ZooModel("torch", "small models of torch.nn layer families (transformer, RNN, norms, convs)",
+                      torch_layers.TorchLayersConfig, torch_layers.PRESETS, torch_layers.build,
+                      torch_layers.example_inputs, torch_layers.make_batch),
     "hf-gpt2": ZooModel("hf-gpt2", "HuggingFace GPT2LMHeadModel from a config (needs transformers)",
                         hf.HFConfig, hf.PRESETS, hf.build_gpt2, hf.example_inputs, hf.make_gpt2_batch),
     "hf-bert": ZooModel("hf-bert", "HuggingFace BertForMaskedLM from a config (needs transformers)",

@@ -1,0 +1,247 @@
+"""Any HuggingFace architecture from a small config: `hf:<model_type>[,key=value...]`.
+
+`hf:llama`, `hf:t5,num_layers=4`, `hf:vit,image_size=64`, `hf:mistral,hidden=4096,num_layers=32`
+build `transformers.AutoModelFor<task>.from_config(...)` with the model's own random
+initialisation (nothing is downloaded) and wrap it so that forward returns the loss.
+
+- **Task** (`task=`): `seq2seq-lm` (labels, decoder inputs shifted from them by the model),
+  `masked-lm` (labels -100 except about 15% of positions), `causal-lm` (labels = inputs, the
+  model shifts them) or `image-classification` (pixel values, class labels); by default the
+  first of these the architecture supports, in that order.
+- **Sizes.** The architecture's default config, with every size attribute it has set small
+  (SMALL: hidden 32, 2 layers, 4 heads, 2 key/value heads, FFN 64, vocabulary 128, images
+  32 x 32 in patches of 8, two stages for hierarchical vision models), dropouts set to 0 (a
+  random mask cannot be compared with single-device training) and the KV cache off.
+- **Overrides.** The zoo's shared names map to the architecture's own attributes (`hidden`
+  to hidden_size / d_model / n_embd / dim, `num_layers` to every layer count, `num_heads`,
+  `num_kv_heads`, `ffn_hidden`, `vocab_size`, `head_dim`), plus `seq_len`, `batch_size`,
+  `image_size`, `num_labels`, `dtype`, `task`; any other key sets that config attribute
+  (converted to the type of its default), and a key the config does not have is an error.
+
+Needs the optional `transformers` package (the dev extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from hetsynth.zoo.layers import seeded_generator
+from hetsynth.zoo.vit import image_batch
+
+TASKS = ("seq2seq-lm", "masked-lm", "causal-lm", "image-classification")
+_MAPPINGS = {"seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+             "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+             "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+             "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}
+_AUTO = {"seq2seq-lm": "AutoModelForSeq2SeqLM", "masked-lm": "AutoModelForMaskedLM",
+         "causal-lm": "AutoModelForCausalLM", "image-classification": "AutoModelForImageClassification"}
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 32, 2, 4, 2, 64
+SHARED: dict[str, tuple[str, ...]] = {
+    "hidden": ("hidden_size", "d_model", "n_embd", "dim", "embedding_size", "word_embed_proj_dim"),
+    "num_layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
+                   "decoder_layers", "num_decoder_layers"),
+    "num_heads": ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
+                  "decoder_attention_heads"),
+    "num_kv_heads": ("num_key_value_heads", "num_kv_heads"),
+    "ffn_hidden": ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+                   "hidden_dim", "n_inner"),
+    "vocab_size": ("vocab_size",),
+    "head_dim": ("head_dim", "d_kv"),
+}
+SMALL = {"hidden": HIDDEN, "num_layers": LAYERS, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
+         "ffn_hidden": FFN, "vocab_size": 128}
+OWN = ("seq_len", "batch_size", "image_size", "num_labels", "dtype", "task")
+_STAGES = {"depths": [1, 1], "hidden_sizes": [16, 32], "num_stages": 2, "embed_dim": 16, "window_size": 2,
+           "patch_size": 8, "num_channels": 3, "rotary_dim": 4, "relative_attention_num_buckets": 8,
+           "position_buckets": 8, "max_relative_positions": 16, "intermediate_size_mlp": FFN}
+
+
+@dataclass(frozen=True)
+class HFAutoConfig:
+    model_type: str
+    task: str
+    seq_len: int = 16
+    batch_size: int = 8
+    image_size: int = 32
+    num_labels: int = 10
+    dtype: str = "float32"
+    attrs: dict[str, Any] = field(default_factory=dict)   # HuggingFace config attributes
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.attrs.get("vocab_size", 128))
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("hf:<model_type> models need the 'transformers' package: "
+                          "pip install 'hetsynth[dev]' or pip install transformers") from err
+    return transformers
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto import modeling_auto
+    found = set()
+    for name in _MAPPINGS.values():
+        found |= set(getattr(modeling_auto, name))
+    return sorted(found)
+
+
+def default_task(model_type: str) -> str:
+    from transformers.models.auto import modeling_auto
+    for task in TASKS:
+        if model_type in getattr(modeling_auto, _MAPPINGS[task]):
+            return task
+    raise ValueError(f"hf:{model_type}: no {', '.join(TASKS)} model for this architecture; "
+                     f"architectures with one: {', '.join(model_types()[:40])}, ...")
+
+
+def _base_config(model_type: str, **attrs: Any) -> Any:
+    t = _transformers()
+    try:
+        return t.AutoConfig.for_model(model_type, **attrs)
+    except ValueError:
+        raise ValueError(f"hf:{model_type}: unknown model_type; known ones include "
+                         f"{', '.join(model_types()[:40])}, ...") from None
+
+
+def _coerce(key: str, text: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            return type(default)(text)
+        if isinstance(default, list):
+            return [type(default[0])(x) if default else int(x) for x in text.split(":")]
+        return text if default is None or isinstance(default, str) else type(default)(text)
+    except ValueError:
+        kind = type(default).__name__
+        raise ValueError(f"{key}={text!r} is not a valid {kind}") from None
+
+
+def _small_attrs(base: Any, seq_len: int, image_size: int, num_labels: int) -> dict[str, Any]:
+    """The size attributes of this architecture, set small, and dropouts off."""
+    attrs: dict[str, Any] = {}
+    have = base.to_dict()
+    for name, attr_names in SHARED.items():
+        for attr in attr_names:
+            if attr in have and name in SMALL and not isinstance(have[attr], list):
+                attrs[attr] = SMALL[name]
+    for attr, value in _STAGES.items():
+        if attr in have and isinstance(have[attr], list) == isinstance(value, list):
+            attrs[attr] = value
+    if isinstance(have.get("num_heads"), list):
+        attrs["num_heads"] = [2, 4]
+    if "head_dim" in have or "d_kv" in have:
+        attrs["head_dim" if "head_dim" in have else "d_kv"] = HIDDEN // HEADS
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"):
+        if attr in have and isinstance(have[attr], int):
+            attrs[attr] = max(64, 2 * seq_len)
+    for attr, value in have.items():
+        if ("dropout" in attr or attr.endswith("_pdrop") or attr == "drop_path_rate") and isinstance(value, float):
+            attrs[attr] = 0.0
+    attrs.update({k: v for k, v in (("image_size", image_size), ("num_labels", num_labels),
+                                    ("use_cache", False)) if k in have or k == "num_labels"})
+    return attrs
+
+
+def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
+    """The config of `hf:<model_type>` with the overrides applied (ValueError when invalid)."""
+    base = _base_config(model_type)
+    own = {k: overrides[k] for k in OWN if k in overrides}
+    task = own.get("task") or default_task(model_type)
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: use one of {', '.join(TASKS)}")
+    sizes = {k: int(own[k]) if k in own else d for k, d in (("seq_len", 16), ("batch_size", 8),
+                                                            ("image_size", 32), ("num_labels", 10))}
+    attrs = _small_attrs(base, sizes["seq_len"], sizes["image_size"], sizes["num_labels"])
+    have = base.to_dict() | attrs
+    for key, text in overrides.items():
+        if key in OWN:
+            continue
+        targets = [a for a in SHARED.get(key, ()) if a in have] or ([key] if key in have else [])
+        if not targets:
+            raise ValueError(f"hf:{model_type} has no option {key!r}; shared options: "
+                             f"{', '.join(sorted(SHARED) + list(OWN))}, or any attribute of its config")
+        for attr in targets:
+            attrs[attr] = _coerce(key, text, have[attr])
+    return HFAutoConfig(model_type, task, dtype=own.get("dtype", "float32"), attrs=attrs, **sizes)
+
+
+class LossOnly(nn.Module):
+    """forward(*inputs) -> model(<input names>=...).loss"""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, tuple(names)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.names, inputs))).loss
+
+
+def _input_names(task: str) -> tuple[str, str]:
+    return ("pixel_values", "labels") if task == "image-classification" else ("input_ids", "labels")
+
+
+def _hf_config(cfg: HFAutoConfig) -> Any:
+    """The architecture's config made with the attributes (its __init__ derives the rest)."""
+    config = _base_config(cfg.model_type, **cfg.attrs)
+    if cfg.task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value >= cfg.vocab_size:
+            setattr(config, attr, cfg.vocab_size - 1)
+    return config
+
+
+def build(cfg: HFAutoConfig) -> nn.Module:
+    t = _transformers()
+    auto = getattr(t, _AUTO[cfg.task])
+    try:
+        model = auto.from_config(_hf_config(cfg), attn_implementation="sdpa")
+    except (ValueError, ImportError):  # architectures without an sdpa path
+        model = auto.from_config(_hf_config(cfg), attn_implementation="eager")
+    return LossOnly(model, _input_names(cfg.task))
+
+
+def example_inputs(cfg: HFAutoConfig, device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
+    if cfg.task == "image-classification":
+        channels = int(cfg.attrs.get("num_channels", 3))
+        return (torch.zeros(cfg.batch_size, channels, cfg.image_size, cfg.image_size,
+                            dtype=getattr(torch, cfg.dtype), device=device),
+                torch.zeros(cfg.batch_size, dtype=torch.long, device=device))
+    shape = (cfg.batch_size, cfg.seq_len)
+    return tuple(torch.zeros(shape, dtype=torch.long, device=device) for _ in range(2))
+
+
+def _tokens(cfg: HFAutoConfig, sample_id: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = seeded_generator(seed, sample_id)
+    tokens = torch.randint(3, cfg.vocab_size, (cfg.seq_len,), generator=g)
+    if cfg.task == "masked-lm":
+        masked = torch.rand(cfg.seq_len, generator=g) < 0.15
+        masked[0] = True
+        return tokens, torch.where(masked, tokens, torch.full_like(tokens, -100))
+    if cfg.task == "seq2seq-lm":
+        return tokens, torch.randint(3, cfg.vocab_size, (cfg.seq_len,), generator=g)
+    return tokens, tokens.clone()
+
+
+def make_batch(cfg: HFAutoConfig, sample_ids: Sequence[int], seed: int) -> tuple[torch.Tensor, ...]:
+    if cfg.task == "image-classification":
+        channels = int(cfg.attrs.get("num_channels", 3))
+        return image_batch(channels, cfg.image_size, cfg.num_labels, getattr(torch, cfg.dtype), sample_ids, seed)
+    pairs = [_tokens(cfg, i, seed) for i in sample_ids]
+    if not pairs:
+        empty = torch.zeros(0, cfg.seq_len, dtype=torch.long)
+        return empty, empty.clone()
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
