@@ -96,8 +96,10 @@ def run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--devices", type=int, help="run on the first N devices (plans again for them)")
     p.add_argument("--check", action="store_true",
-                   help="also train the single-device model and compare losses and parameters")
-    p.add_argument("--tolerance", type=float, default=1e-6, help="for --check (relative loss, abs params)")
+                   help="also run the plan's float64 twin and train the single-device model; compare losses, "
+                        "parameters and buffers (float64 decides, the plan's own dtype is information)")
+    p.add_argument("--tolerance", type=float, default=1e-9,
+                   help="for --check in float64: relative loss; parameters and buffers 10x that")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank may make no progress (a collective that does not complete, no "
                         "heartbeat) before the run stops, naming it")

@@ -1,5 +1,6 @@
-"""Model references: `NAME:PRESET[,key=value...]` for zoo models, `path/file.py:factory[,k=v]`
-for a user's own model.
+"""Model references: `NAME:PRESET[,key=value...]` for zoo models, `hf:<model_type>[,k=v]` for
+any HuggingFace architecture from a small config (hetsynth.zoo.hf_auto),
+`path/file.py:factory[,k=v]` for a user's own model.
 
 A user factory is called with the overrides as keyword arguments and returns
 `(module, example_inputs)`; the module's forward returns the loss. Training data for a user
@@ -40,10 +41,11 @@ class ModelSpec:
     _build: Callable[[], nn.Module] = field(repr=False)
     _inputs: Callable[[Any], tuple[torch.Tensor, ...]] = field(repr=False)
     _batch: Callable[[Sequence[int], int], tuple[torch.Tensor, ...]] = field(repr=False)
+    dtype_override: str | None = None  # with_dtype: floating-point parameters and data in this dtype
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(torch, getattr(self.config, "dtype", "float32"))
+        return getattr(torch, self.dtype_override or getattr(self.config, "dtype", None) or "float32")
 
     @cached_property
     def batch_size(self) -> int:
@@ -56,11 +58,22 @@ class ModelSpec:
         return module.to(self.dtype)
 
     def example_inputs(self, device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
-        return tuple(t.to(device) for t in self._inputs(device))
+        return self._cast(tuple(t.to(device) for t in self._inputs(device)))
 
     def make_batch(self, sample_ids: Sequence[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
         """The training inputs of the given global sample indices (the same on every rank)."""
-        return self._batch(sample_ids, seed)
+        return self._cast(self._batch(sample_ids, seed))
+
+    def _cast(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self.dtype_override is None:
+            return tensors
+        return tuple(t.to(self.dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def with_dtype(spec: ModelSpec, dtype: str) -> ModelSpec:
+    """The same model with its floating-point parameters, buffers and data in `dtype` (built
+    in its own dtype, then converted, so both dtypes start from the same initialisation)."""
+    return dataclasses.replace(spec, dtype_override=dtype)
 
 
 def _check_options(model: str, cfg_cls: type, overrides: dict[str, str]) -> None:
@@ -210,17 +223,33 @@ def _file_spec(ref: str, path: Path, factory_name: str, overrides: dict[str, str
                      _batch=lambda ids, seed: _rows(made()[1], ids, seed))
 
 
+def _hf_spec(ref: str, model_type: str, overrides: dict[str, str]) -> ModelSpec:
+    from hetsynth.zoo import hf_auto
+
+    if not model_type:
+        raise ModelRefError("hf:<model_type> needs a HuggingFace model type, e.g. hf:llama or hf:t5")
+    try:
+        cfg = hf_auto.resolve(model_type, overrides)
+    except ValueError as err:
+        raise ModelRefError(str(err)) from None
+    return ModelSpec(ref=ref, name=f"hf:{model_type}", config=cfg, _build=lambda: hf_auto.build(cfg),
+                     _inputs=lambda device: hf_auto.example_inputs(cfg, device),
+                     _batch=lambda ids, seed: hf_auto.make_batch(cfg, ids, seed))
+
+
 def parse_model_ref(ref: str) -> ModelSpec:
-    """Resolve `NAME:PRESET[,k=v...]` or `path/file.py:factory[,k=v...]`."""
+    """Resolve `NAME:PRESET[,k=v...]`, `hf:<model_type>[,k=v...]` or `path/file.py:factory[,k=v...]`."""
     head, _, tail = ref.partition(",")
     name, sep, preset = head.rpartition(":")
     if not sep:
         name, preset = head, "tiny" if head in ZOO else ""
     if name.endswith(".py"):
         return _file_spec(ref, Path(name), preset or "model", _parse_overrides(tail))
+    if name == "hf":
+        return _hf_spec(ref, preset, _parse_overrides(tail))
     if name not in ZOO:
         raise ModelRefError(
-            f"unknown model {name!r}; zoo models: {', '.join(ZOO)} (or path/to/file.py:factory)"
+            f"unknown model {name!r}; zoo models: {', '.join(ZOO)}, hf:<model_type> (or path/to/file.py:factory)"
         )
     return _zoo_spec(ref, ZOO[name], preset, _parse_overrides(tail))
 

@@ -169,7 +169,7 @@ def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None
             param.copy_(local_slice(plan, p.name, p.layout, rank, full))
         state = ckpt["optimizer"]["state"].get(p.fqn, {})
         trainer.optimizer.state[param] = {  # copies: the file is memory-mapped
-            k: (local_slice(plan, p.name, p.layout, rank, v).clone().to(param.device)
+            k: (local_slice(plan, p.name, p.layout, rank, v).to(param.device, param.dtype, copy=True)
                 if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
             for k, v in state.items()}
     _load_buffers(trainer, ckpt["model"], str(path))
@@ -179,8 +179,8 @@ def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None
 def _load_buffers(trainer: Trainer, state: dict[str, torch.Tensor], path: str) -> None:
     module = trainer.program.module
     for node in trainer.plan.graph.nodes:
-        if node.op != "buffer":
-            continue
+        if node.op != "buffer" or node.value is not None or not hasattr(module, node.name):
+            continue  # constants are not the model's state; an unread buffer is not stored
         if node.fqn not in state:
             raise CheckpointError(f"{path} has no buffer {node.fqn!r}")
         with torch.no_grad():

@@ -20,12 +20,14 @@ What a run creates (work directory, agent sessions, the emulated cluster) is rec
 (runtime.runstate) and removed at the end, on errors, Ctrl-C and SIGTERM, or by the next
 `hetsynth` command after a SIGKILL.
 
-`check` also trains the plain single-device model with the same initialisation, data and
-optimizer and compares the loss of every step and the final parameters.
+`check` also runs the plan's float64 twin and trains the plain single-device model in both
+dtypes, comparing the loss of every step and the final parameters and buffers (runtime.check);
+a resumed run is compared with single-device training resumed from the same checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,13 +44,13 @@ from typing import Iterator
 import torch
 
 from cost_models.cluster import ClusterSpec
-from hetsynth.models import parse_model_ref
 from instruction_set.plan import Plan, save_plan
 from runtime import emulation, heartbeat, runstate
+from runtime.check import Comparison, compare, dtype_tolerances
 from runtime.checkpoint import check_resume, read_checkpoint
 from runtime.outputs import check_outputs
 from runtime.runstate import RunRecord
-from runtime.train import TrainConfig, reference_training
+from runtime.train import TrainConfig, plan_reference
 
 
 @dataclass
@@ -59,7 +61,7 @@ class RunOptions:
     max_grad_norm: float = 1.0
     timeout_s: float = 60.0
     check: bool = False
-    tolerance: float = 1e-6
+    tolerance: float = 1e-9  # float64 check: relative loss; parameters and buffers 10x
     save: str | None = None
     resume: str | None = None
     report: str | None = None
@@ -86,13 +88,15 @@ def runs_here(cluster: ClusterSpec) -> bool:
     return len(cluster.nodes) == 1 or cluster.emulation is not None
 
 
-def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str | None) -> list[str]:
+def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str | None,
+                dtype: str | None = None) -> list[str]:
     args = ["-m", "runtime.worker", "--plan", plan_path, "--steps", str(opts.steps),
             "--optimizer", opts.optimizer, "--lr", str(opts.lr), "--max-grad-norm", str(opts.max_grad_norm),
             "--timeout", str(opts.timeout_s), "--report", report]
     args += ["--params-out", params_out] if params_out else []
     args += ["--save", opts.save] if opts.save else []
     args += ["--resume", opts.resume] if opts.resume else []
+    args += ["--dtype", dtype] if dtype else []
     return args + (["--quiet"] if opts.quiet else [])
 
 
@@ -300,18 +304,51 @@ def _kill_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def check_against_single_device(plan: Plan, opts: RunOptions, workdir: str) -> int:
-    spec = parse_model_ref(plan.model.ref)
-    losses, params = reference_training(spec, plan.model.batch_size, opts.train_config())
-    report = json.loads(Path(opts.report or os.path.join(workdir, "report.json")).read_text())
-    got = torch.load(os.path.join(workdir, "params.pt"), weights_only=False)
-    expected = losses[report.get("first_step", 0):]  # a resumed run reports the steps after its checkpoint
-    loss_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(report["losses"], expected))
-    param_err = max(float((got[k] - params[k]).abs().max()) if got[k].numel() else 0.0 for k in got)
-    ok = loss_err <= opts.tolerance and param_err <= opts.tolerance
-    print(f"check: largest relative loss difference {loss_err:.3e}, largest parameter difference "
-          f"{param_err:.3e} (tolerance {opts.tolerance:g}): {'OK' if ok else 'FAILED'}")
-    return 0 if ok else 1
+def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str) -> Comparison:
+    """One run against single-device training in `dtype`, from the initialisation or, for a
+    resumed run, from the same checkpoint (both cast to `dtype`)."""
+    config = dataclasses.replace(opts.train_config(), dtype=dtype if dtype != plan.model.dtype else None)
+    run = json.loads(Path(report).read_text())
+    losses, expected = plan_reference(plan, config, read_checkpoint(opts.resume) if opts.resume else None)
+    tolerances = dtype_tolerances(dtype, opts.optimizer, opts.lr, opts.steps - run.get("first_step", 0),
+                                  opts.tolerance)
+    return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances)
+
+
+def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
+           dtype: str | None) -> tuple[int, str, str]:
+    """One run of the plan (in `dtype`, None: as planned) in its own directory under the run's
+    work directory; (exit status, report, parameters and buffers)."""
+    tag = dtype or "plan"
+    (workdir / tag).mkdir()
+    report = opts.report if opts.report and dtype is None else str(workdir / tag / "report.json")
+    params_out = str(workdir / tag / "params.pt")
+    run_opts = opts if dtype is None else dataclasses.replace(opts, save=None, quiet=True)
+    started = time.monotonic()
+    rc, failure = launch_in(record, workdir / tag, plan.cluster,
+                            worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype),
+                            timeout_s=opts.timeout_s)
+    if rc != 0:
+        print(f"hetsynth run: {failure or f'exit status {rc}'}; the other ranks were stopped "
+              f"({time.monotonic() - started:.1f} s after the start)", file=sys.stderr)
+    return rc, report, params_out
+
+
+def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
+           first: tuple[str, str]) -> int:
+    """Compare the run as planned (information unless float64) and the float64 twin (decides)."""
+    results = [_compare(plan, opts, *first, plan.model.dtype)]
+    if plan.model.dtype != "float64":
+        print("check: running the plan's float64 twin (same program, float64 tensors)", flush=True)
+        rc, report, params = _train(plan, plan_path, opts, record, workdir, "float64")
+        if rc != 0:
+            return rc
+        results.append(_compare(plan, opts, report, params, "float64"))
+    for r in results[:-1]:
+        print(f"check (information) {r.describe()}: {'within' if r.ok else 'beyond'} {r.dtype} tolerance")
+    final = results[-1]
+    print(f"check: {final.describe()}: {'OK' if final.ok else 'FAILED'}")
+    return 0 if final.ok else 1
 
 
 def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> int:
@@ -320,17 +357,11 @@ def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> int:
         print("\n\n".join(node_commands(plan, plan_path or "plan.json", opts)))
         return 0
     preflight(plan, opts)
-    started = time.monotonic()
     with recorded_run() as (record, workdir):
         if plan_path is None:
             plan_path = str(workdir / "plan.json")
             save_plan(plan, plan_path)
-        report = opts.report or str(workdir / "report.json")
-        params_out = str(workdir / "params.pt") if opts.check else None
-        rc, failure = launch_in(record, workdir, plan.cluster, worker_args(plan_path, opts, report, params_out),
-                                timeout_s=opts.timeout_s)
-        if rc != 0:
-            print(f"hetsynth run: {failure or f'exit status {rc}'}; the other ranks were stopped "
-                  f"({time.monotonic() - started:.1f} s after the start)", file=sys.stderr)
+        rc, report, params = _train(plan, plan_path, opts, record, workdir, None)
+        if rc != 0 or not opts.check:
             return rc
-        return check_against_single_device(plan, opts, str(workdir)) if opts.check else 0
+        return _check(plan, plan_path, opts, record, workdir, (report, params))

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -24,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from cost_models.comm import GRAD_BUCKET_BYTES
-from hetsynth.models import ModelSpec, parse_model_ref
+from hetsynth.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.layouts import axes, is_shard
 from instruction_set.plan import Plan
+from instruction_set.precision import float_everywhere, with_float_dtype
 from instruction_set.shards import rank_offset
 from runtime.codegen import RankProgram, build_rank_program, groups_mesh
 from runtime.collectives.allreduce import reduce_sum
@@ -42,6 +44,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     seed: int = 0
     data_seed: int = 1
+    dtype: str | None = None        # train the plan's twin in this floating-point dtype
 
 
 @dataclass
@@ -85,6 +88,8 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], config: TrainConfig) ->
 def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device | str = "cpu",
           spec: ModelSpec | None = None) -> Trainer:
     spec = spec or parse_model_ref(plan.model.ref)
+    if config.dtype is not None:
+        plan, spec = with_float_dtype(plan, config.dtype), with_dtype(spec, config.dtype)
     state = full_state(spec, config.seed)
     program = build_rank_program(plan, groups, state=state, device=device)
     buffers = {k: v for k, v in state.items() if k not in _param_names(spec)}
@@ -195,9 +200,19 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
 
 # -- steps ----------------------------------------------------------------------------------------
 
+def precision(dtype: str | None) -> contextlib.AbstractContextManager:
+    """Twins in another dtype compute everything in it (instruction_set.precision)."""
+    return float_everywhere(dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None = None) -> StepLog:
     """One training step on this rank's rows of global batch `step` (`inputs`: those rows,
     made in advance, as a prefetching data loader would)."""
+    with precision(trainer.config.dtype):
+        return _train_step(trainer, step, inputs)
+
+
+def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) -> StepLog:
     marks = [("start", time.perf_counter())]
     inputs = local_batch(trainer, step) if inputs is None else inputs
     marks.append(("data", time.perf_counter()))
@@ -234,19 +249,50 @@ def model_buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
     module = trainer.program.module
     out = dict(trainer.buffers)
     for node in trainer.plan.graph.nodes:
-        if node.op == "buffer":
+        if node.op == "buffer" and node.value is None and hasattr(module, node.name):  # stored: read by the graph
             out[node.fqn] = getattr(module, node.name).detach().cpu()
     return out
 
 
-def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig,
+                       start: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same training on one device with the plain model: losses and final parameters
-    and buffers (by name)."""
+    and buffers (by name). From `start`, a checkpoint (runtime.checkpoint's format), it
+    trains the steps after the checkpoint's, from its parameters, buffers and optimizer state."""
     torch.manual_seed(config.seed)
     model = spec.build("cpu")
     optimizer = make_optimizer(list(model.parameters()), config)
+    first = _start_from(model, optimizer, start) if start is not None else 0
+    with precision(spec.dtype_override):
+        losses = _reference_steps(spec, model, optimizer, batch_size, config, first)
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return losses, {k: v.detach() for k, v in state.items()}
+
+
+def plan_reference(plan: Plan, config: TrainConfig,
+                   start: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """reference_training of a plan's model (in config.dtype, converted, when it is set)."""
+    spec = parse_model_ref(plan.model.ref)
+    spec = with_dtype(spec, config.dtype) if config.dtype is not None else spec
+    return reference_training(spec, plan.model.batch_size, config, start)
+
+
+def _start_from(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> int:
+    """A checkpoint's state in the plain model and its optimizer, cast to the model's dtype;
+    returns the step it holds."""
+    model.load_state_dict(ckpt["model"])
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for fqn, state in ckpt["optimizer"]["state"].items():
+        param = named[fqn]
+        optimizer.state[param] = {k: v.to(param.dtype) if torch.is_tensor(v) and v.dim() > 0 else
+                                  v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    return int(ckpt["step"])
+
+
+def _reference_steps(spec: ModelSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     batch_size: int, config: TrainConfig, first: int = 0) -> list[float]:
     losses = []
-    for step in range(config.steps):
+    for step in range(first, config.steps):
         inputs = spec.make_batch(range(step * batch_size, (step + 1) * batch_size), seed=config.data_seed)
         loss = model(*inputs)
         loss.backward()
@@ -255,8 +301,7 @@ def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig) ->
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    return losses, {k: v.detach() for k, v in state.items()}
+    return losses
 
 
 def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params-out", help="rank 0 writes the final whole parameters and buffers here (torch.save)")
     p.add_argument("--save", help="checkpoint at the end (labelled with the steps it holds)")
     p.add_argument("--resume", help="checkpoint to start from")
+    p.add_argument("--dtype", help="run the plan's twin in this floating-point dtype (instruction_set.precision)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = load_plan(args.plan)
         groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD)
         config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                             max_grad_norm=args.max_grad_norm, seed=args.seed)
+                             max_grad_norm=args.max_grad_norm, seed=args.seed, dtype=args.dtype)
         trainer = setup(plan, groups, config, device)
         start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
         if rank == 0 and args.resume and not args.quiet:

@@ -1,0 +1,130 @@
+"""`hetsynth run --check`: the distributed run against single-device training.
+
+The plan runs as written (in its dtype, usually float32) and, unless it is float64 already,
+again as its float64 twin (instruction_set.precision: the same instructions, layouts, ratios
+and shard lengths; the same initialisation and data, converted). Each run is compared with the
+plain model trained on one device in the same dtype, same initialisation, data, optimizer and
+clipping.
+
+**float64 decides.** Every step's global loss within `tolerance` (default 1e-9) relative,
+and every parameter and buffer within `10 * tolerance`, measured elementwise as
+`|a - b| / max(1, |b|)` (absolute for small values, relative for large ones such as running
+variances). A failure names the worst tensor and its difference.
+
+**float32 (or lower) is information.** Sums in another order round differently, and AdamW
+turns that noise on near-zero gradients into updates of up to the learning rate per step,
+so a correct float32 run can differ from single-device training by about `2 * lr * steps`
+in a parameter. Its figures are printed against a tolerance for the dtype: `sqrt(eps)`
+relative for the loss (float32: 3.5e-4), `sqrt(eps) + 2 * lr * steps` for parameters and
+buffers (AdamW; `sqrt(eps)` for SGD).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+PARAM_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    dtype: str
+    loss_rel: float                 # largest relative loss difference over the steps
+    worst: str                      # the parameter or buffer with the largest difference
+    worst_diff: float
+    loss_tolerance: float
+    tensor_tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_rel <= self.loss_tolerance and self.worst_diff <= self.tensor_tolerance
+
+    def describe(self) -> str:
+        return (f"{self.dtype}: largest relative loss difference {self.loss_rel:.3e} (tolerance "
+                f"{self.loss_tolerance:.1e}), largest parameter/buffer difference {self.worst_diff:.3e} "
+                f"in {self.worst or '-'} (tolerance {self.tensor_tolerance:.1e})")
+
+
+def tensor_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |a - b| / max(1, |b|) elementwise, in float64 (NaN when either has a NaN)."""
+    if got.shape != want.shape:
+        return math.inf
+    if got.numel() == 0:
+        return 0.0
+    a, b = got.detach().double().cpu(), want.detach().double().cpu()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return math.nan
+    return float(((a - b).abs() / b.abs().clamp(min=1.0)).max())
+
+
+def loss_difference(got: Sequence[float], want: Sequence[float]) -> float:
+    if len(got) != len(want):
+        return math.inf
+    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, want)]
+    return max(diffs, default=0.0) if not any(math.isnan(d) for d in diffs) else math.nan
+
+
+def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, tolerance: float) -> tuple[float, float]:
+    """(relative loss, parameter/buffer) tolerances of a comparison in `dtype`."""
+    if dtype == "float64":
+        return tolerance, PARAM_FACTOR * tolerance
+    eps = math.sqrt(torch.finfo(getattr(torch, dtype)).eps)
+    return eps, eps + (2 * lr * steps if optimizer == "adamw" else 0.0)
+
+
+def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float],
+            tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+            tolerances: tuple[float, float]) -> Comparison:
+    """The run's losses and final tensors against single-device training; NaN counts as
+    the worst difference, and a tensor missing on either side fails."""
+    worst, worst_diff = "", 0.0
+    for name in sorted(set(tensors) | set(expected)):
+        if name not in tensors or name not in expected:
+            if name in tensors:  # the run has a tensor the plain model does not
+                return Comparison(dtype, 0.0, name, math.inf, *tolerances)
+            continue  # an alias or a buffer the graph never reads: not trained
+        diff = tensor_difference(tensors[name], expected[name])
+        if math.isnan(diff) or diff > worst_diff:
+            worst, worst_diff = name, math.inf if math.isnan(diff) else diff
+    loss = loss_difference(losses, expected_losses)
+    return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances)
+
+
+# -- the same check on a pool of ranks (tests, bench/families.py) ---------------------------------
+
+def pool_worker(rank: int, world: int, plan: Any, config: Any) -> tuple[list[float], dict, dict]:
+    """Train a plan on one rank of a RankPool: (global losses, local parameters, buffers)."""
+    import torch.distributed as dist
+
+    from runtime.codegen import groups_mesh
+    from runtime.groups import Groups
+    from runtime.train import local_parameters, model_buffers, setup, train_step
+
+    trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), config)
+    losses = [train_step(trainer, step).loss for step in range(config.steps)]
+    return losses, local_parameters(trainer), model_buffers(trainer) if rank == 0 else {}
+
+
+def check_on_pool(pool: Any, plan: Any, config: Any, tolerance: float = 1e-9) -> list[Comparison]:
+    """`run --check` on a RankPool: the plan as written and, unless float64, its float64 twin,
+    each against single-device training in its dtype; the last comparison decides."""
+    from dataclasses import replace
+
+    from instruction_set.precision import with_float_dtype
+    from runtime.train import assemble, plan_reference
+
+    out = []
+    for dtype in [plan.model.dtype] + (["float64"] if plan.model.dtype != "float64" else []):
+        twin = dtype != plan.model.dtype
+        run_config = replace(config, dtype=dtype if twin else None)
+        results = pool.run(pool_worker, plan, run_config, timeout_s=900)
+        ran = with_float_dtype(plan, dtype) if twin else plan
+        tensors = assemble(ran, [r[1] for r in results]) | results[0][2]
+        losses, expected = plan_reference(plan, run_config)
+        tol = dtype_tolerances(dtype, config.optimizer, config.lr, config.steps, tolerance)
+        out.append(compare(dtype, results[0][0], losses, tensors, expected, tol))
+    return out
