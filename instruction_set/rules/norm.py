@@ -28,6 +28,6 @@ def _softmax(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     return rules
 
 
-register(["aten.layer_norm.default", "aten.rms_norm.default"], _layer_norm)
+register(["aten.layer_norm.default", "aten.rms_norm.default", "aten.native_layer_norm.default"], _layer_norm)
 register(["aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
           "aten._log_softmax.default"], _softmax)
