@@ -20,6 +20,8 @@ import hetsynth
 from cost_models.cluster import load_cluster
 from instruction_set.graph import ReferenceGraph
 from planner.capture import summarize
+from planner.planner import make_plan
+from planner.problem import Restrictions
 from runtime.check import check_on_pool, tensor_difference
 from runtime.train import TrainConfig
 
@@ -41,7 +43,7 @@ def inspect(ref: str) -> ReferenceGraph:
 @pytest.mark.parametrize("ref", FAMILIES)
 def test_family_plans_and_trains_exactly(pools, ref: str) -> None:
     graph = inspect(ref)
-    plan = hetsynth.plan(ref, cluster=load_cluster(CLUSTER), num_devices=4, ratios=RATIOS)
+    plan = make_plan(graph, load_cluster(CLUSTER).first(4), ratios=RATIOS, progress=False, with_baselines=False)
     assert plan.mesh == (2, 2) and plan.model.dtype == "float32"
     float32, float64 = check_on_pool(pools.get(4), plan, CONFIG)
     assert float64.ok, float64.describe()
@@ -52,24 +54,46 @@ def test_family_plans_and_trains_exactly(pools, ref: str) -> None:
 
 
 def test_batchnorm_running_statistics_match_single_device(pools) -> None:
-    """The ResNet's BatchNorm buffers after 3 steps under a data-parallel plan (batch-split
-    statistics all-reduced, SyncBatchNorm-style), float64."""
+    """The ResNet's BatchNorm buffers after 3 steps with every BatchNorm split by batch (its
+    statistics Partial, all-reduced, SyncBatchNorm-style: at this size the planner itself
+    prefers other layouts), float64."""
     from runtime.check import pool_worker
     from runtime.train import assemble, plan_reference
 
-    plan = hetsynth.plan("resnet:tiny,dtype=float64", cluster=load_cluster(CLUSTER), num_devices=4,
-                         ratios=RATIOS, data_parallel=True)
-    batch_split_norm = [i for i in plan.instructions if i.kind == "compute" and "mean_dim" in i.node
-                        and i.inputs[0].startswith("S0")]
-    assert batch_split_norm, "expected batch-split BatchNorm statistics"
+    ref = "resnet:tiny,dtype=float64"
+    graph = hetsynth.capture_model(ref)
+    stats = [n.name for n in graph.calls if n.target == "aten.mean.dim" and ".bn" not in n.module_path
+             and n.args[1] == [0, 2, 3]]
+    plan = make_plan(graph, load_cluster(CLUSTER).first(4), ratios=RATIOS, progress=False, with_baselines=False,
+                     restrictions=Restrictions(force={n: "P" for n in stats}))
+    batch_split = [i for i in plan.instructions if i.kind == "compute" and i.node in stats]
+    assert len(batch_split) == len(stats) >= 10 and all(i.inputs[0].startswith("S0") for i in batch_split)
+    assert any(i.kind == "all_reduce" and i.tensor in stats for i in plan.instructions)
     results = pools.get(4).run(pool_worker, plan, CONFIG, timeout_s=600)
     _, expected = plan_reference(plan, CONFIG)
     buffers = results[0][2]
-    stats = [k for k in buffers if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
-    assert len(stats) >= 3 * 5
-    for name in stats:
+    names = [k for k in buffers if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert len(names) >= 3 * 5
+    for name in names:
         assert tensor_difference(buffers[name], expected[name]) <= 1e-9, name
-    tracked = [k for k in stats if k.endswith("num_batches_tracked")]
+    tracked = [k for k in names if k.endswith("num_batches_tracked")]
     assert tracked and all(int(buffers[k]) == CONFIG.steps for k in tracked)
     params = assemble(plan, [r[1] for r in results])
     assert max(tensor_difference(v, expected[k]) for k, v in params.items()) <= 1e-8
+
+
+def test_cli_inspect_plan_run_check(tmp_path: Path) -> None:
+    """The same through the command line (nn.TransformerEncoder): no flags beyond the step
+    count, a float32 plan, the float64 twin decides."""
+    from test_launch import hetsynth_cli
+
+    ref = "torch:transformer-encoder"
+    out = hetsynth_cli("inspect", "--model", ref)
+    assert out.returncode == 0 and "replicated fallback" not in out.stdout, out.stdout + out.stderr[-2000:]
+    plan = str(tmp_path / "plan.json")
+    out = hetsynth_cli("plan", "--model", ref, "--cluster", str(CLUSTER), "--devices", "4",
+                       "--ratios", ",".join(map(str, RATIOS)), "-o", plan)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = hetsynth_cli("run", plan, "--steps", "3", "--check")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "check (information) float32" in out.stdout and "check: float64" in out.stdout and "OK" in out.stdout
