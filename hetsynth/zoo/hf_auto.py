@@ -11,7 +11,9 @@ initialisation (nothing is downloaded) and wrap it so that forward returns the l
 - **Sizes.** The architecture's default config, with every size attribute it has set small
   (SMALL: hidden 32, 2 layers, 4 heads, 2 key/value heads, FFN 64, vocabulary 128, images
   32 x 32 in patches of 8, two stages for hierarchical vision models), dropouts set to 0 (a
-  random mask cannot be compared with single-device training) and the KV cache off.
+  random mask cannot be compared with single-device training), the KV cache off, attention
+  through scaled_dot_product_attention and mixture-of-experts layers through their eager
+  per-expert loop (transformers' fused grouped-matmul is a custom op without a rule).
 - **Overrides.** The zoo's shared names map to the architecture's own attributes (`hidden`
   to hidden_size / d_model / n_embd / dim, `num_layers` to every layer count, `num_heads`,
   `num_kv_heads`, `ffn_hidden`, `vocab_size`, `head_dim`), plus `seq_len`, `batch_size`,
@@ -195,6 +197,8 @@ def _input_names(task: str) -> tuple[str, str]:
 def _hf_config(cfg: HFAutoConfig) -> Any:
     """The architecture's config made with the attributes (its __init__ derives the rest)."""
     config = _base_config(cfg.model_type, **cfg.attrs)
+    if hasattr(config, "_experts_implementation"):  # plain matmuls per expert, not a fused custom op
+        config._experts_implementation = "batched_mm"
     if cfg.task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
