@@ -98,7 +98,7 @@ class DimClasses:
         self.classes: list[DimClass] = []
         for members in groups.values():
             root = min(sizes[m] for m in members)
-            unit = math.lcm(*(root // math.gcd(root, sizes[m]) for m in members))
+            unit = math.lcm(*(root // math.gcd(root, sizes[m]) for m in members)) if root else 1  # empty dims
             for m in members:
                 self.class_of[m] = len(self.classes)
             self.classes.append(DimClass(root, unit, tuple(members)))
@@ -113,7 +113,7 @@ class DimClasses:
     def shares(self, tensor: str, dim: int, ratios: Sequence[float]) -> list[float]:
         """Fraction of the dim held by each rank."""
         size = self.sizes[(tensor, dim)]
-        return [n / size for n in self.lengths(tensor, dim, ratios)]
+        return [n / size if size else 0.0 for n in self.lengths(tensor, dim, ratios)]
 
     def rank_lengths(self, tensor: str, layout: Layout, ratios: Sequence[float],
                      mesh: Mesh) -> dict[int, tuple[int, ...]]:
@@ -180,6 +180,8 @@ class ShardLengths(Rounding):
         cls, size = self.classes.of(tensor, dim), self.classes.sizes[(tensor, dim)]
         units = self.units(cls.root_size // cls.unit, axis)
         picked = units if ranks is None else (units[r] for r in ranks)
+        if cls.root_size == 0:  # a dim of size 0 (an empty slice): nothing to split
+            return tuple(0 for _ in picked)
         return tuple(cls.unit * u * size // cls.root_size for u in picked)
 
     def rank_lengths(self, tensor: str, layout: Layout,
@@ -201,7 +203,7 @@ class ShardLengths(Rounding):
         shares = [1.0] * (self.mesh.size if ranks is None else len(ranks))
         for dim, lengths in self.rank_lengths(tensor, layout, ranks).items():
             size = self.classes.sizes[(tensor, dim)]
-            shares = [s * n / size for s, n in zip(shares, lengths)]
+            shares = [s * n / size if size else 0.0 for s, n in zip(shares, lengths)]
         return tuple(shares)
 
 

@@ -87,15 +87,20 @@ def _meta_of(t: torch.Tensor) -> TensorMeta:
 
 @contextmanager
 def _faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
-    """The module's parameters and buffers as FakeTensors on the CPU, restored on exit."""
+    """The module's parameters and buffers as FakeTensors on the CPU, restored on exit; a
+    tensor registered in several places (a tied weight) gets one fake, so it stays tied."""
     saved: list[tuple[dict, str, Any]] = []
+    fakes: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, value in table.items():
-                if value is not None:
-                    saved.append((table, name, value))
+                if value is None:
+                    continue
+                saved.append((table, name, value))
+                if id(value) not in fakes:
                     fake = _fake(mode, value)
-                    table[name] = nn.Parameter(fake, value.requires_grad) if isinstance(value, nn.Parameter) else fake
+                    fakes[id(value)] = nn.Parameter(fake, value.requires_grad) if isinstance(value, nn.Parameter) else fake
+                table[name] = fakes[id(value)]
     try:
         yield
     finally:

@@ -171,6 +171,22 @@ def _placeholder_kinds(ep: torch.export.ExportedProgram) -> dict[str, tuple[str,
     return out
 
 
+def _merge_tied(ep: torch.export.ExportedProgram, gm: fx.GraphModule, kinds: dict[str, tuple[str, str]]) -> None:
+    """One placeholder per tensor: export lifts a tied weight (an embedding shared with the
+    output projection) once per name, which would train two copies."""
+    first: dict[int, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        kind, fqn = kinds.get(node.name, ("", ""))
+        value = ep.state_dict.get(fqn) if kind in ("param", "buffer") else None
+        if value is None:
+            continue
+        keep = first.setdefault(id(value), node)
+        if keep is not node:
+            node.replace_all_uses_with(keep)
+            gm.graph.erase_node(node)
+            del kinds[node.name]
+
+
 def _buffer_updates(ep: torch.export.ExportedProgram) -> tuple[dict[fx.Node, str], list[str]]:
     """({new value node: buffer fqn}, user output names) from the output specs, matched by
     position with the output node's values (graph rewrites may have replaced them)."""
@@ -217,6 +233,7 @@ def lower(ep: torch.export.ExportedProgram, *, table: dict | None = None) -> Low
     strip_noops(gm, dead_code=True)
     decompose_norms(gm)
     kinds = _placeholder_kinds(ep)
+    _merge_tied(ep, gm, kinds)
     updates, outputs = _buffer_updates(ep)
     _insert_updates(gm, updates, kinds)
     gm.graph.lint()

@@ -152,3 +152,29 @@ def test_export_failure_is_a_capture_error() -> None:
 
     with pytest.raises(CaptureError, match="torch.export could not trace"):
         capture(DataDependent(), (torch.randn(3),))
+
+
+def test_tied_weights_are_one_parameter() -> None:
+    """export lifts a tied weight once per name; the graph holds it once, so it trains once."""
+    spec = parse_model_ref("hf:opt")
+    model = spec.build("meta")
+    assert len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False)))
+    graph = capture_model("hf:opt")
+    assert len(graph.params) == len(list(model.parameters()))
+    assert not any("lm_head" in n.fqn for n in graph.params)
+
+
+def test_forward_constants_keep_their_values() -> None:
+    class PickLast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)[..., [-2, -1]].sum()
+
+    model = PickLast().double()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    graph = capture(model, (x,))
+    assert [n.value for n in graph.nodes if n.value is not None] == [[-2, -1]]
+    torch.testing.assert_close(run_graph(graph, graph_inputs(graph, model, (x,))), model(x))

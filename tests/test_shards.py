@@ -47,3 +47,12 @@ def test_incommensurate_sizes_get_a_common_unit() -> None:
     classes = DimClasses({("a", 0): 6, ("b", 0): 4}, [(("a", 0), ("b", 0))])
     lb = classes.lengths("b", 0, [0.5, 0.5])
     assert all(n % 2 == 0 for n in lb) and sum(classes.lengths("a", 0, [0.5, 0.5])) == 6
+
+
+def test_empty_dims_have_empty_shards() -> None:
+    """A dim of size 0 (an empty slice, such as a rotary pass-through of width 0)."""
+    from instruction_set.shards import DimClasses
+
+    classes = DimClasses({("t", 0): 4, ("t", 1): 0}, [])
+    assert classes.lengths("t", 1, [0.5, 0.5]) == [0, 0]
+    assert classes.lengths("t", 0, [0.5, 0.5]) == [2, 2]

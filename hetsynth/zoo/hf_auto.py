@@ -57,6 +57,7 @@ SHARED: dict[str, tuple[str, ...]] = {
 }
 SMALL = {"hidden": HIDDEN, "num_layers": LAYERS, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
          "ffn_hidden": FFN, "vocab_size": 128}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 OWN = ("seq_len", "batch_size", "image_size", "num_labels", "dtype", "task")
 _STAGES = {"depths": [1, 1], "hidden_sizes": [16, 32], "num_stages": 2, "embed_dim": 16, "window_size": 2,
            "patch_size": 8, "num_channels": 3, "rotary_dim": 4, "relative_attention_num_buckets": 8,
@@ -176,6 +177,10 @@ def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
                              f"{', '.join(sorted(SHARED) + list(OWN))}, or any attribute of its config")
         for attr in targets:
             attrs[attr] = _coerce(key, text, have[attr])
+    vocab = attrs.get("vocab_size", have.get("vocab_size"))
+    for attr in _TOKEN_IDS:  # special tokens of the full vocabulary, moved into the small one
+        if isinstance(vocab, int) and isinstance(have.get(attr), int) and attrs.get(attr, have[attr]) >= vocab:
+            attrs[attr] = vocab - 1
     return HFAutoConfig(model_type, task, dtype=own.get("dtype", "float32"), attrs=attrs, **sizes)
 
 
@@ -201,10 +206,6 @@ def _hf_config(cfg: HFAutoConfig) -> Any:
         config._experts_implementation = "batched_mm"
     if cfg.task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
-    for attr in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value >= cfg.vocab_size:
-            setattr(config, attr, cfg.vocab_size - 1)
     return config
 
 

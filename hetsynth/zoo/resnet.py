@@ -17,13 +17,11 @@ forward(images[B, 3, S, S], labels[B]) -> mean cross-entropy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetsynth.zoo.vit import image_batch
+from hetsynth.zoo.vit import example_inputs, make_batch  # noqa: F401  (images and labels: the same config fields)
 
 
 @dataclass(frozen=True)
@@ -103,14 +101,3 @@ class ResNet(nn.Module):
 
 def build(cfg: ResNetConfig) -> nn.Module:
     return ResNet(cfg)
-
-
-def example_inputs(cfg: ResNetConfig, device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
-    images = torch.zeros(cfg.batch_size, cfg.channels, cfg.image_size, cfg.image_size,
-                         dtype=getattr(torch, cfg.dtype), device=device)
-    return images, torch.zeros(cfg.batch_size, dtype=torch.long, device=device)
-
-
-def make_batch(cfg: ResNetConfig, sample_ids: Sequence[int], seed: int) -> tuple[torch.Tensor, ...]:
-    return image_batch(cfg.channels, cfg.image_size, cfg.num_classes, getattr(torch, cfg.dtype),
-                       sample_ids, seed)
