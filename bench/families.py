@@ -1,7 +1,7 @@
 """Model families from their configs through inspect -> plan -> run --check.
 
     python bench/families.py                 # every family below
-    python bench/families.py hf:t5 torch:lstm
+    python bench/families.py hf:t5 torch:lstm   # these rows again, the others kept
 
 Each model is built from a small config (nothing downloaded), captured without the replicated
 fallback (when that fails, the unsupported ops are recorded and it is captured with it),
@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ROOT, print_tables, write_json  # noqa: E402
+from bench.common import RESULTS, ROOT, print_tables, write_json  # noqa: E402
 
 HF = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "opt", "bloom",
       "falcon", "gptj", "gpt2", "t5", "bart", "bert", "roberta", "distilbert", "albert", "electra",
@@ -113,8 +113,22 @@ def main(refs: list[str]) -> None:
             pools["pool"].close()
     header = ["family", "capture s", "ops", "fallback ops", "plan (predicted step, ops split)", "check (float64)",
               "loss rel. f64", "max param/buffer f64", "loss rel. f32", "max param/buffer f32"]
+    rows = _merged(rows)
     print_tables([table_row(r) for r in rows], header)
     write_json("families.json", {"steps": STEPS, "cluster": "local-emulated (first 4 devices)", "rows": rows})
+
+
+def _merged(rows: list[dict]) -> list[dict]:
+    """A run of some families replaces their rows in the last results, keeping the others."""
+    import json
+
+    path = RESULTS / "families.json"
+    if not path.exists():
+        return rows
+    new = {r["family"]: r for r in rows}
+    old = [r for r in json.loads(path.read_text())["rows"] if r["family"] not in new]
+    order = {ref: i for i, ref in enumerate(FAMILIES)}
+    return sorted(old + rows, key=lambda r: order.get(r["family"], len(order)))
 
 
 if __name__ == "__main__":
