@@ -230,6 +230,8 @@ def _hf_spec(ref: str, model_type: str, overrides: dict[str, str]) -> ModelSpec:
         raise ModelRefError("hf:<model_type> needs a HuggingFace model type, e.g. hf:llama or hf:t5")
     try:
         cfg = hf_auto.resolve(model_type, overrides)
+    except ValidationError as err:
+        raise _config_error(ref, err) from None
     except ValueError as err:
         raise ModelRefError(str(err)) from None
     return ModelSpec(ref=ref, name=f"hf:{model_type}", config=cfg, _build=lambda: hf_auto.build(cfg),

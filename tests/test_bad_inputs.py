@@ -107,6 +107,12 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("one expert", lambda t, p: ["inspect", "--model", "moe:tiny,num_experts=1"], "num_experts=1"),
     ("dropout", lambda t, p: ["inspect", "--model", "gpt:tiny,dropout=1.5"], "dropout=1.5"),
     ("not an int", lambda t, p: ["inspect", "--model", "gpt:tiny,hidden=1.5"], "hidden=1.5: input should be a valid integer"),
+    ("resnet blocks", lambda t, p: ["inspect", "--model", "resnet:tiny,blocks=2:0"], "blocks=2:0: expected a positive count"),
+    ("torch family", lambda t, p: ["inspect", "--model", "torch:lstm,family=rnn"], "family=rnn: input should be"),
+    ("unet odd image", lambda t, p: ["inspect", "--model", "torch:unet,image_size=15"], "image_size=15 is odd"),
+    ("hf model_type", lambda t, p: ["inspect", "--model", "hf:lama"], "hf:lama: unknown model_type"),
+    ("hf task", lambda t, p: ["inspect", "--model", "hf:t5,task=image-classification"], "its tasks: seq2seq-lm"),
+    ("hf size", lambda t, p: ["inspect", "--model", "hf:llama,seq_len=0"], "seq_len=0: input should be greater"),
     # a user's own model file
     ("factory raises", lambda t, p: PLAN + [f"{t}/m.py:raises", "-o", _out(t)], "raised RuntimeError: boom in the factory"),
     ("module only", lambda t, p: ["inspect", "--model", f"{t}/m.py:module_only"], "got M"),

@@ -25,7 +25,7 @@ FloatDType = Literal["float16", "bfloat16", "float32", "float64"]  # the paramet
 zoo_config = dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 
 
-def _check_heads(cfg: object) -> object:
+def check_heads(cfg: object) -> object:
     """Attention splits `hidden` into `num_heads` equal heads."""
     hidden, num_heads = getattr(cfg, "hidden"), getattr(cfg, "num_heads")
     if hidden % num_heads:
@@ -47,7 +47,7 @@ class TransformerStack:
     batch_size: Count = 8
     dtype: FloatDType = "float32"
 
-    _heads = model_validator(mode="after")(_check_heads)
+    _heads = model_validator(mode="after")(check_heads)
 
 
 @zoo_config
@@ -59,4 +59,4 @@ class TokenModel(TransformerStack):
 
 
 __all__ = ["Count", "FloatDType", "Fraction", "NonNegative", "Pair", "Positive", "Probability", "TokenModel",
-           "TransformerStack", "zoo_config"]
+           "TransformerStack", "check_heads", "zoo_config"]

@@ -23,18 +23,23 @@ initialisation (nothing is downloaded) and wrap it so that forward returns the l
   `num_kv_heads`, `ffn_hidden`, `vocab_size`, `head_dim`), plus `seq_len`, `batch_size`,
   `image_size`, `num_labels`, `dtype`, `task`; any other key sets that config attribute
   (converted to the type of its default), and a key the config does not have is an error.
+  The own fields are validated like every zoo config (hetsynth.zoo.config: sizes >= 1, two
+  labels or more, a float dtype, one of TASKS), and a task the architecture has no model for
+  is refused with the tasks it has.
 
 Needs the optional `transformers` package (the dev extra).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+import dataclasses
+from dataclasses import field
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
 
+from hetsynth.zoo.config import Count, FloatDType, Pair, zoo_config
 from hetsynth.zoo.layers import seeded_generator
 from hetsynth.zoo.vit import image_batch
 
@@ -68,15 +73,18 @@ _STAGES = {"depths": [1, 1], "hidden_sizes": [16, 32], "num_stages": 2, "embed_d
            "position_buckets": 8, "max_relative_positions": 16, "intermediate_size_mlp": FFN}
 
 
-@dataclass(frozen=True)
+@zoo_config
 class HFAutoConfig:
+    """What hf:<model_type> sets itself (validated); `attrs` are the architecture's own config
+    attributes, checked by the architecture's config class when the model is built."""
+
     model_type: str
-    task: str
-    seq_len: int = 16
-    batch_size: int = 8
-    image_size: int = 64
-    num_labels: int = 10
-    dtype: str = "float32"
+    task: Literal[TASKS]  # type: ignore[valid-type]
+    seq_len: Count = 16
+    batch_size: Count = 8
+    image_size: Count = 64
+    num_labels: Pair = 10   # one label would make HuggingFace's heads regress on float labels
+    dtype: FloatDType = "float32"
     attrs: dict[str, Any] = field(default_factory=dict)   # HuggingFace config attributes
 
     @property
@@ -101,13 +109,22 @@ def model_types() -> list[str]:
     return sorted(found)
 
 
-def default_task(model_type: str) -> str:
+def supported_tasks(model_type: str) -> list[str]:
+    """The tasks of TASKS this architecture has a HuggingFace model class for."""
     from transformers.models.auto import modeling_auto
-    for task in TASKS:
-        if model_type in getattr(modeling_auto, _MAPPINGS[task]):
-            return task
-    raise ValueError(f"hf:{model_type}: no {', '.join(TASKS)} model for this architecture; "
-                     f"architectures with one: {', '.join(model_types()[:40])}, ...")
+    return [task for task in TASKS if model_type in getattr(modeling_auto, _MAPPINGS[task])]
+
+
+def _task(model_type: str, asked: str | None) -> str:
+    """The asked task when the architecture supports it, else the first it supports."""
+    tasks = supported_tasks(model_type)
+    if not tasks:
+        raise ValueError(f"hf:{model_type}: no {', '.join(TASKS)} model for this architecture; "
+                         f"architectures with one: {', '.join(model_types()[:40])}, ...")
+    if asked is not None and asked in TASKS and asked not in tasks:
+        raise ValueError(f"hf:{model_type},task={asked}: this architecture has no {asked} model; "
+                         f"its tasks: {', '.join(tasks)}")
+    return asked or tasks[0]
 
 
 def _base_config(model_type: str, **attrs: Any) -> Any:
@@ -162,15 +179,13 @@ def _small_attrs(base: Any, seq_len: int, image_size: int, num_labels: int) -> d
 
 
 def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
-    """The config of `hf:<model_type>` with the overrides applied (ValueError when invalid)."""
+    """The config of `hf:<model_type>` with the overrides applied (ValueError, or pydantic's
+    ValidationError for the validated fields, when invalid)."""
     base = _base_config(model_type)
     own = {k: overrides[k] for k in OWN if k in overrides}
-    task = own.get("task") or default_task(model_type)
-    if task not in TASKS:
-        raise ValueError(f"task={task!r}: use one of {', '.join(TASKS)}")
-    sizes = {k: int(own[k]) if k in own else d for k, d in (("seq_len", 16), ("batch_size", 8),
-                                                            ("image_size", 64), ("num_labels", 10))}
-    attrs = _small_attrs(base, sizes["seq_len"], sizes["image_size"], sizes["num_labels"])
+    own["task"] = _task(model_type, own.get("task"))
+    cfg = HFAutoConfig(model_type=model_type, **own)  # pydantic checks the values
+    attrs = _small_attrs(base, cfg.seq_len, cfg.image_size, cfg.num_labels)
     have = base.to_dict() | attrs
     for key, text in overrides.items():
         if key in OWN:
@@ -185,7 +200,7 @@ def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
     for attr in _TOKEN_IDS:  # special tokens of the full vocabulary, moved into the small one
         if isinstance(vocab, int) and isinstance(have.get(attr), int) and attrs.get(attr, have[attr]) >= vocab:
             attrs[attr] = vocab - 1
-    return HFAutoConfig(model_type, task, dtype=own.get("dtype", "float32"), attrs=attrs, **sizes)
+    return dataclasses.replace(cfg, attrs=attrs)
 
 
 class LossOnly(nn.Module):

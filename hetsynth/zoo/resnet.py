@@ -7,45 +7,57 @@ more, else 3x3), global average pooling and a linear classifier. BatchNorm norma
 the batch's statistics and updates its running mean, variance and batch counter, so a plan
 must all-reduce the statistics of a batch-split BatchNorm and update the buffers.
 
-`blocks` lists the blocks per stage ("2,2,2,2": ResNet-18 with basic blocks; "3,4,6,3" with
-`bottleneck=true`: ResNet-50); stage i has `width * 2**i` channels (times 4 at a bottleneck's
-output).
+`blocks` lists the blocks per stage, separated by colons (`blocks=2:2:2:2`: ResNet-18 with basic
+blocks; `3:4:6:3` with `bottleneck=true`: ResNet-50); stage i has `width * 2**i` channels
+(times 4 at a bottleneck's output).
 
 forward(images[B, 3, S, S], labels[B]) -> mean cross-entropy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from typing import Annotated
+
 import torch
 import torch.nn.functional as F
+from pydantic import AfterValidator
 from torch import nn
 
+from hetsynth.zoo.config import Count, FloatDType, zoo_config
 from hetsynth.zoo.vit import example_inputs, make_batch  # noqa: F401  (images and labels: the same config fields)
 
 
-@dataclass(frozen=True)
-class ResNetConfig:
-    blocks: str = "1,1"
-    width: int = 8
-    bottleneck: bool = False
-    image_size: int = 16
-    channels: int = 3
-    num_classes: int = 10
-    batch_size: int = 8
-    dtype: str = "float32"
+def _stages(text: str) -> str:
+    if not re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)*", text):
+        raise ValueError("expected a positive count of blocks per stage, separated by colons, like 2:2:2:2")
+    return text
 
-    def __post_init__(self) -> None:
-        counts = [b for b in self.blocks.split(",") if b.strip()]
-        if not counts or not all(b.strip().isdigit() and int(b) > 0 for b in counts):
-            raise ValueError(f"blocks={self.blocks!r}: expected positive counts per stage like 2,2,2,2")
+
+Blocks = Annotated[str, AfterValidator(_stages)]
+
+
+@zoo_config
+class ResNetConfig:
+    blocks: Blocks = "1:1"
+    width: Count = 8
+    bottleneck: bool = False
+    image_size: Count = 16
+    channels: Count = 3
+    num_classes: Count = 10
+    batch_size: Count = 8
+    dtype: FloatDType = "float32"
+
+    @property
+    def stages(self) -> list[int]:
+        return [int(b) for b in self.blocks.split(":")]
 
 
 PRESETS: dict[str, dict] = {
     "tiny": {},
-    "small-cpu": dict(blocks="2,2,2", width=16, image_size=32, batch_size=64),
-    "resnet18": dict(blocks="2,2,2,2", width=64, image_size=224, num_classes=1000, batch_size=256),
-    "resnet50": dict(blocks="3,4,6,3", width=64, bottleneck=True, image_size=224, num_classes=1000,
+    "small-cpu": dict(blocks="2:2:2", width=16, image_size=32, batch_size=64),
+    "resnet18": dict(blocks="2:2:2:2", width=64, image_size=224, num_classes=1000, batch_size=256),
+    "resnet50": dict(blocks="3:4:6:3", width=64, bottleneck=True, image_size=224, num_classes=1000,
                      batch_size=256),
 }
 
@@ -84,7 +96,7 @@ class ResNet(nn.Module):
         self.stem = _conv_bn(cfg.channels, cfg.width, 7 if large else 3, 2 if large else 1)
         self.pool = nn.MaxPool2d(3, 2, 1) if large else nn.Identity()
         blocks, cin = [], cfg.width
-        for stage, count in enumerate(int(b) for b in cfg.blocks.split(",")):
+        for stage, count in enumerate(cfg.stages):
             for i in range(count):
                 block = Block(cin, cfg.width * 2**stage, 2 if stage > 0 and i == 0 else 1, cfg.bottleneck)
                 blocks.append(block)

@@ -22,13 +22,14 @@ Dropout is 0 (a random mask cannot be compared with single-device training). Ove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from torch import nn
 
+from hetsynth.zoo.config import Count, TokenModel as TokenConfig, check_heads, zoo_config
 from hetsynth.zoo.layers import seeded_generator
 from hetsynth.zoo.vit import image_batch
 
@@ -37,24 +38,29 @@ IMAGES = ("groupnorm", "instancenorm", "depthwise", "unet")
 FEATURES = ("batchnorm1d",)
 
 
-@dataclass(frozen=True)
-class TorchLayersConfig:
-    family: str = "transformer-encoder"
-    hidden: int = 32
-    num_layers: int = 2
-    num_heads: int = 4
-    ffn_hidden: int = 64
-    vocab_size: int = 64
-    seq_len: int = 12
-    batch_size: int = 8
-    image_size: int = 16
-    channels: int = 8
-    num_classes: int = 10
-    dtype: str = "float32"
+Family = Literal[TOKENS + IMAGES + FEATURES]  # type: ignore[valid-type]  # one name per family above
 
-    def __post_init__(self) -> None:
-        if self.family not in TOKENS + IMAGES + FEATURES:
-            raise ValueError(f"family={self.family!r}: use one of {', '.join(TOKENS + IMAGES + FEATURES)}")
+
+def _check_sizes(cfg: "TorchLayersConfig") -> "TorchLayersConfig":
+    """Heads divide `hidden` where there is attention; the U-Net halves and doubles the image."""
+    if cfg.family in ("transformer-encoder", "transformer", "mha"):
+        check_heads(cfg)
+    if cfg.family == "unet" and cfg.image_size % 2:
+        raise ValueError(f"image_size={cfg.image_size} is odd; the U-Net pools by 2 and upsamples by 2, "
+                         f"so image_size must be even")
+    return cfg
+
+
+@zoo_config
+class TorchLayersConfig(TokenConfig):
+    family: Family = "transformer-encoder"
+    ffn_hidden: Count = 64
+    seq_len: Count = 12
+    image_size: Count = 16
+    channels: Count = 8
+    num_classes: Count = 10
+
+    _heads = model_validator(mode="after")(_check_sizes)
 
 
 PRESETS: dict[str, dict] = {f: {"family": f} for f in TOKENS + IMAGES + FEATURES}
@@ -106,12 +112,17 @@ def _conv_block(cin: int, cout: int, norm: Callable[[int], nn.Module]) -> nn.Seq
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), norm(cout), nn.ReLU())
 
 
+def _groups(channels: int) -> int:
+    """The most groups of at least 4 channels that divide `channels` (1 below 8 channels)."""
+    return max(g for g in range(1, max(channels // 4, 1) + 1) if channels % g == 0)
+
+
 class ImageModel(nn.Module):
     def __init__(self, cfg: TorchLayersConfig) -> None:
         super().__init__()
         c, family = cfg.channels, cfg.family
         self.family = family
-        norms = {"groupnorm": lambda n: nn.GroupNorm(max(n // 4, 1), n),
+        norms = {"groupnorm": lambda n: nn.GroupNorm(_groups(n), n),
                  "instancenorm": lambda n: nn.InstanceNorm2d(n, affine=True, track_running_stats=True),
                  "depthwise": nn.BatchNorm2d, "unet": nn.BatchNorm2d}
         norm = norms[family]
