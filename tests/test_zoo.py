@@ -88,3 +88,14 @@ def test_user_file_factory(tmp_path: Path) -> None:
     assert model(x).dim() == 0
     with pytest.raises(ModelRefError, match="no callable 'nope'"):
         parse_model_ref(f"{tmp_path / 'mine.py'}:nope")
+
+
+def test_hf_sizes_follow_the_overrides() -> None:
+    """hf:<model_type> derives the head dim from hidden / heads (Llama's default config says
+    128, T5's d_kv 64), so Llama 3 8B's shape has its 5.93e9 parameters (32,000 tokens)."""
+    ref = "hf:llama,num_layers=32,hidden=4096,num_heads=32,num_kv_heads=8,ffn_hidden=11008,vocab_size=32000"
+    model = parse_model_ref(ref).build("meta")
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 11008 + 2 * 4096
+    assert sum(p.numel() for p in model.parameters()) == 32 * per_layer + 2 * 32000 * 4096 + 4096
+    assert parse_model_ref("hf:t5,hidden=64").config.attrs["d_kv"] == 16
+    assert parse_model_ref("hf:llama,head_dim=16").config.attrs["head_dim"] == 16

@@ -56,7 +56,7 @@ SHARED: dict[str, tuple[str, ...]] = {
     "hidden": ("hidden_size", "d_model", "n_embd", "dim", "embedding_size", "word_embed_proj_dim"),
     "num_layers": ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers",
                    "decoder_layers", "num_decoder_layers"),
-    "num_heads": ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
+    "num_heads": ("num_attention_heads", "num_heads", "n_head", "n_heads", "encoder_attention_heads",
                   "decoder_attention_heads"),
     "num_kv_heads": ("num_key_value_heads", "num_kv_heads"),
     "ffn_hidden": ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
@@ -165,8 +165,6 @@ def _small_attrs(base: Any, seq_len: int, image_size: int, num_labels: int) -> d
             attrs[attr] = value
     if isinstance(have.get("num_heads"), list):
         attrs["num_heads"] = [2, 4]
-    if "head_dim" in have or "d_kv" in have:
-        attrs["head_dim" if "head_dim" in have else "d_kv"] = HIDDEN // HEADS
     for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"):
         if attr in have and isinstance(have[attr], int):
             attrs[attr] = max(64, 2 * seq_len)
@@ -176,6 +174,17 @@ def _small_attrs(base: Any, seq_len: int, image_size: int, num_labels: int) -> d
     attrs.update({k: v for k, v in (("image_size", image_size), ("num_labels", num_labels),
                                     ("use_cache", False)) if k in have or k == "num_labels"})
     return attrs
+
+
+def _head_dim(have: dict[str, Any], given: set[str]) -> dict[str, int]:
+    """hidden / heads for an architecture with its own head-dim attribute (head_dim, T5's
+    d_kv), unless `head_dim` was given: the architecture's default is its full-size one."""
+    attr = next((a for a in SHARED["head_dim"] if a in have), None)
+    hidden = next((have[a] for a in SHARED["hidden"] if isinstance(have.get(a), int)), None)
+    heads = next((have[a] for a in SHARED["num_heads"] if isinstance(have.get(a), int)), None)
+    if attr is None or "head_dim" in given or attr in given or not hidden or not heads:
+        return {}
+    return {attr: max(hidden // heads, 1)}
 
 
 def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
@@ -196,6 +205,7 @@ def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
                              f"{', '.join(sorted(SHARED) + list(OWN))}, or any attribute of its config")
         for attr in targets:
             attrs[attr] = _coerce(key, text, have[attr])
+    attrs |= _head_dim(have | attrs, set(overrides))
     vocab = attrs.get("vocab_size", have.get("vocab_size"))
     for attr in _TOKEN_IDS:  # special tokens of the full vocabulary, moved into the small one
         if isinstance(vocab, int) and isinstance(have.get(attr), int) and attrs.get(attr, have[attr]) >= vocab:
