@@ -19,6 +19,8 @@ written against (instruction_set.rules):
    composites that have a sharding rule and an exact FLOP count whole. The retrace is
    functional: in-place ops become out-of-place ops, and the new value of a buffer the
    forward mutates (BatchNorm statistics, counters) becomes a BUFFER_MUTATION output.
+   A graph that is functional already is decomposed node by node instead, with the same
+   result in a fraction of the time (planner.decompose_local).
 5. **Normalisations** that torch keeps as fused ops (batch norm's functional form, group norm)
    are decomposed into primitives (planner.decompose_norm), so that a batch-split batch norm
    reduces its statistics across the batch group like SyncBatchNorm, as collectives the
@@ -43,6 +45,7 @@ import torch
 from torch import fx
 
 from planner.decompose import decompose_cross_entropy, strip_noops
+from planner.decompose_local import decompose_locally
 from planner.decompose_norm import decompose_norms
 
 aten = torch.ops.aten
@@ -228,8 +231,11 @@ def lower(ep: torch.export.ExportedProgram, *, table: dict | None = None) -> Low
     strip_noops(gm)
     decompose_cross_entropy(gm)
     gm.recompile()
-    ep = ep.run_decompositions(decomposition_table() if table is None else table)
-    gm = ep.graph_module
+    table = decomposition_table() if table is None else table
+    functional = all(spec.kind.name == "USER_OUTPUT" for spec in ep.graph_signature.output_specs)
+    if not (functional and decompose_locally(gm, table)):
+        ep = ep.run_decompositions(table)
+        gm = ep.graph_module
     strip_noops(gm, dead_code=True)
     decompose_norms(gm)
     kinds = _placeholder_kinds(ep)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,3 +181,31 @@ def test_forward_constants_keep_their_values() -> None:
     graph = capture(model, (x,))
     assert [n.value for n in graph.nodes if n.value is not None] == [[-2, -1]]
     torch.testing.assert_close(run_graph(graph, graph_inputs(graph, model, (x,))), model(x))
+
+
+def _canonical(graph: Any) -> list[str]:
+    """Every node as text, tensors named by their position (names differ between traces)."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+
+    def sub(x: Any) -> Any:
+        if isinstance(x, dict):
+            return ["ref", index[x["ref"]]] if "ref" in x else {k: sub(v) for k, v in x.items()}
+        return [sub(i) for i in x] if isinstance(x, (list, tuple)) else x
+
+    return [json.dumps([n.op, n.target, sub(list(n.args)), sub(dict(n.kwargs)), [str(o) for o in n.outputs],
+                        n.module_path, n.source, n.flops_fwd, n.flops_bwd], default=str) for n in graph.nodes]
+
+
+@pytest.mark.parametrize("ref, local", [("gpt:tiny", True), ("vgg:tiny", True), ("moe:tiny", True),
+                                        ("hf:llama", True), ("resnet:tiny", False)])
+def test_local_decomposition_equals_the_retrace(ref: str, local: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """planner.decompose_local gives the graph run_decompositions gives (ops, arguments,
+    shapes, places, FLOPs); a graph with mutations (BatchNorm's buffers) takes the retrace."""
+    import planner.lower as lower
+
+    used = []
+    real = lower.decompose_locally
+    monkeypatch.setattr(lower, "decompose_locally", lambda *a: used.append(real(*a)) or used[-1])
+    fast = _canonical(capture_model(ref))
+    monkeypatch.setattr(lower, "decompose_locally", lambda *a: False)
+    assert used == [local] and fast == _canonical(capture_model(ref))
