@@ -14,9 +14,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from instruction_set.mesh import Mesh  # noqa: E402
+from profiling.profiler import measure_collectives  # noqa: E402
 from runtime.groups import Groups  # noqa: E402
 from runtime.rank import run_rank  # noqa: E402
-from runtime.profiler import measure_collectives  # noqa: E402
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ Cluster: configs/clusters/local-emulated.toml emulated on this machine (runtime.
 two nodes, 2 workers at 0.5 CPU and 2 at 0.25 CPU, 200 Mbit/s between the nodes. It is
 profiled first (`hetsynth profile`, cached in bench/results/local-emulated-measured.toml;
 --reprofile measures again) and every plan is made for the measured spec, with the model's
-ops timed on this machine (planner.op_profile, `hetsynth plan --measure-ops`). For each model's
+ops timed on this machine (profiling.op_profile, `hetsynth plan --measure-ops`). For each model's
 `small-cpu` preset, hetsynth's plan, DP-EV (even batch split) and DP-CP (split proportional
 to measured throughput) train on the same workers, interleaved (runtime.compare: warm-up,
 then rounds of a few steps of each plan in turn); the table gives the median step time of
@@ -64,7 +64,7 @@ def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, f
 
 
 def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
-    from cost_models.cluster import load_cluster
+    from instruction_set.cluster import load_cluster
     from runtime.launch import launch_checked
 
     report = workdir / "compare.json"

@@ -48,7 +48,7 @@ def hetsynth(*args: str, env: dict | None = None, timeout: float = 300) -> tuple
 
 def make_plan(path: Path, devices: int | None = None) -> None:
     import hetsynth as api
-    from cost_models.cluster import load_cluster
+    from instruction_set.cluster import load_cluster
 
     cluster = load_cluster(CLUSTER)
     api.save_plan(api.plan("gpt:tiny", cluster=cluster.first(devices) if devices else cluster), path)

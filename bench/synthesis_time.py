@@ -29,7 +29,7 @@ from common import markdown_table, print_table, run_child, write_json
 PREAMBLE = """
 import json, resource, time
 from hetsynth import capture_model
-from cost_models.cluster import load_cluster
+from instruction_set.cluster import load_cluster
 from planner.planner import search_plan
 """
 

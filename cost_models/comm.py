@@ -54,11 +54,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
-from cost_models.calibration import AlphaBeta
-from cost_models.cluster import ClusterSpec
 from cost_models.device_classes import DeviceClasses, NodeType
 from cost_models.linear_cost import LinearCost
+from instruction_set.calibration import AlphaBeta
+from instruction_set.cluster import ClusterSpec
 from instruction_set.mesh import Mesh
+from instruction_set.program import GRAD_BUCKET_BYTES
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "all_gather": ("padded", "grouped", "ring"),
@@ -81,8 +82,6 @@ ADJOINT: dict[str, str | None] = {
 }
 
 LOCAL = frozenset({"slice", "partial"})
-
-GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb)
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ for the forward and backward passes together: `flops` from FlopCounterMode (forw
 backward), `bytes` the op's inputs and outputs, read and written once forward and about
 twice backward when a gradient flows (a roofline estimate: Williams et al., CACM 2009).
 A sharded op does `share_i` of that work on device i; replicated work is done in full by every
-device, the slow ones too. When the op was timed on a reference machine (planner.op_profile)
+device, the slow ones too. When the op was timed on a reference machine (profiling.op_profile)
 the roofline is replaced by `measured_s * reference_flops / throughput_flops_i`, or by
 `measured_s * device_scale_k` when the whole model was also timed on devices of kind k
-(runtime.model_timing). Pure views (view, transpose, expand, ...) launch nothing and are free.
+(profiling.model_timing). Pure views (view, transpose, expand, ...) launch nothing and are free.
 
 The optimizer step of a trained parameter is memory-bound work on every device that holds
 it (its share when sharded, all of it when replicated):
@@ -20,7 +20,7 @@ it (its share when sharded, all of it when replicated):
 UPDATE_PASSES = 16 counts the passes over the parameter's bytes: the gradient bucket's
 flatten and copy-back (4), the global-norm clipping's float64 square-sum and rescale (5), and
 AdamW's reads of parameter, gradient and both moments and writes of three (7). A measured
-update time (planner.op_profile) replaces the estimate, scaled like the ops.
+update time (profiling.op_profile) replaces the estimate, scaled like the ops.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.cluster import DeviceKind
 from cost_models.linear_cost import LinearCost
+from instruction_set.cluster import DeviceKind
 from instruction_set.graph import Node, TensorMeta
 
 FREE_OPS = frozenset({
@@ -53,8 +53,8 @@ def launches(node: Node) -> int:
 
 @dataclass(frozen=True)
 class Reference:
-    """The machine that timed the ops (planner.op_profile), by its matmul FLOP/s, and per
-    device the measured factor of the whole model there (runtime.model_timing), None where
+    """The machine that timed the ops (profiling.op_profile), by its matmul FLOP/s, and per
+    device the measured factor of the whole model there (profiling.model_timing), None where
     not measured. (Scaling memory-bound ops by a streaming-bandwidth ratio instead was tried:
     on this machine that kernel's rate varies threefold between processes with the
     last-level cache's state.)"""
@@ -72,7 +72,7 @@ class Reference:
 def compute_cost(node: Node, in_metas: Sequence[TensorMeta], sharded: bool,
                  kinds: Sequence[DeviceKind], reference: Reference | None = None) -> LinearCost:
     """LinearCost of the op: per device, work scales with the share when `sharded`. With a
-    measured time (planner.op_profile), device i's work is that time scaled from the
+    measured time (profiling.op_profile), device i's work is that time scaled from the
     reference machine to device i (Reference.scales); else the roofline estimate."""
     n = len(kinds)
     if node.target in FREE_OPS:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Hashable, Sequence
 
-from cost_models.cluster import ClusterSpec, DeviceKind
+from instruction_set.cluster import ClusterSpec, DeviceKind
 from instruction_set.shards import AXES, ShardLengths
 
 NodeType = tuple[tuple[int, int], ...]  # (class, number of its devices in the node), by class

@@ -24,7 +24,7 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def inspect_run(args: argparse.Namespace) -> int:
-    from cost_models.cluster import load_cluster
+    from instruction_set.cluster import load_cluster
     from planner.capture import summarize
 
     if not args.model and not args.cluster:
@@ -135,7 +135,7 @@ def explain_args(p: argparse.ArgumentParser) -> None:
 
 def explain_run(args: argparse.Namespace) -> int:
     from instruction_set.plan import load_plan
-    from runtime.explain import explain
+    from hetsynth.explain import explain
 
     print(explain(load_plan(args.plan), args.rank))
     return 0
@@ -154,12 +154,12 @@ def profile_args(p: argparse.ArgumentParser) -> None:
 def profile_run(args: argparse.Namespace) -> int:
     import os
 
-    from cost_models.cluster import load_cluster
+    from instruction_set.cluster import load_cluster
     from runtime.launch import launch_checked
 
     cluster = load_cluster(args.cluster)
     output = str(check_outputs({"-o": args.output, "--records": args.records})["-o"])
-    launch_checked(cluster, ["-m", "runtime.profile_worker", "--cluster", os.path.abspath(args.cluster),
+    launch_checked(cluster, ["-m", "profiling.profile_worker", "--cluster", os.path.abspath(args.cluster),
                              "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
                              "--max-bytes", str(args.max_bytes),
                              *(["--records", os.path.abspath(args.records)] if args.records else [])],

@@ -7,8 +7,8 @@ Steps:
      it; `--profile` measures again), emulated on this machine (network namespaces, shaped
      links, CPU quotas; runtime.emulation) when root, else plain local processes;
   2. capture the model (its graph summary: op counts, parameters, FLOPs), time its ops here
-     (planner.op_profile) and the whole model on each emulated device kind
-     (runtime.model_timing), synthesize the plan and the DP-EV baseline (even batch split);
+     (profiling.op_profile) and the whole model on each emulated device kind
+     (profiling.model_timing), synthesize the plan and the DP-EV baseline (even batch split);
   3. train both on the same workers, interleaved (runtime.compare), and print the median step
      times, the speed-up and the prediction;
   4. train the single-device model as many steps and compare every step's global loss.
@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from cost_models.cluster import ClusterSpec, load_cluster
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text, plan_summary_text
+from instruction_set.cluster import ClusterSpec, load_cluster
 from instruction_set.plan import Plan, save_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: a
 
 def parity(model: str, measured: dict, tolerance: float) -> bool:
     """Every plan's global loss per step against single-device training."""
-    from hetsynth.models import parse_model_ref
+    from instruction_set.models import parse_model_ref
     from runtime.train import TrainConfig, reference_training
 
     steps = max(len(m["losses"]) for m in measured.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from cost_models.cluster import ClusterSpec
+from instruction_set.cluster import ClusterSpec
 from instruction_set.plan import Plan
 
 

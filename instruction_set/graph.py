@@ -13,7 +13,7 @@ training IR), in a topological order, as plain data:
   twice); a rule gives one layout per entry.
 - `Node.outputs` holds one TensorMeta per output (several for split/topk).
 - FLOPs are per op, forward and backward, counted by FlopCounterMode on meta tensors;
-  optionally each op's measured seconds on a reference machine (planner.op_profile).
+  optionally each op's measured seconds on a reference machine (profiling.op_profile).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class ReferenceGraph(BaseModel):
     reference_flops: float | None = None  # matmul FLOP/s of the machine that measured the ops
     update_s: tuple[float, float] | None = None  # optimizer step there: (s per parameter, s per byte)
     # per device kind: how many times longer the model takes there than on that machine
-    # (timed on the devices, runtime.model_timing); replaces the matmul-rate ratio
+    # (timed on the devices, profiling.model_timing); replaces the matmul-rate ratio
     device_scales: dict[str, float] | None = None
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ReferenceGraph":

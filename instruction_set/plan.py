@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cost_models.cluster import ClusterSpec
+from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction

@@ -34,6 +34,8 @@ Kind = Literal[
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_max", "all_to_all")
 
+GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb): cost and runtime
+
 
 class Instruction(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cost_models.cluster import ClusterSpec
 from cost_models.memory import GIB
+from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import R, S, join
 from instruction_set.mesh import Mesh

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from instruction_set.args import decode_arg, encode_arg, refs_in
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from instruction_set.models import ModelSpec
 from instruction_set.rules import is_supported
 from planner.lower import Lowered, LoweringError, lower, place
 
@@ -259,6 +260,12 @@ def _unsupported(nodes: list[Node], higher_order: set[str]) -> list[UnsupportedO
     return [UnsupportedOp(t, c, tuple(f"{n.module_path or '<root>'}  ({n.source or 'no source line'})"
                                       for n in bad if n.target == t), t in higher_order)
             for t, c in counts.items()]
+
+
+def capture_spec(spec: ModelSpec, *, allow_replicate_fallback: bool = False) -> ReferenceGraph:
+    """Capture a resolved model reference (on the meta device)."""
+    return capture(spec.build("meta"), spec.example_inputs("meta"), model_ref=spec.ref,
+                   allow_replicate_fallback=allow_replicate_fallback)
 
 
 def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_ref: str = "",

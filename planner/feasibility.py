@@ -17,8 +17,8 @@ with the device that is short (planner.planner).
 
 from __future__ import annotations
 
-from cost_models.cluster import ClusterSpec
 from cost_models.memory import GIB, OPTIMIZER_COPIES
+from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 
 

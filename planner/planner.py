@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.cluster import ClusterSpec
 from cost_models.memory import GIB
+from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import is_shard
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
-from cost_models.cluster import ClusterSpec, DeviceKind
 from cost_models.comm import VARIANTS, CommModel, comm_mesh
 from cost_models.compute import Reference, compute_cost, update_cost
 from cost_models.device_classes import DeviceClasses, device_classes
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
+from instruction_set.cluster import ClusterSpec, DeviceKind
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.layouts import (P, PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
                                      shard_dim)

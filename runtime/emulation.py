@@ -32,7 +32,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cost_models.cluster import ClusterSpec
+from instruction_set.cluster import ClusterSpec
 from runtime.runstate import RunRecord, recorded, remove, remove_cgroup, remove_namespace
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")

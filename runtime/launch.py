@@ -43,7 +43,7 @@ from typing import Iterator
 
 import torch
 
-from cost_models.cluster import ClusterSpec
+from instruction_set.cluster import ClusterSpec
 from instruction_set.plan import Plan, save_plan
 from runtime import emulation, heartbeat, runstate
 from runtime.check import Comparison, compare, dtype_tolerances

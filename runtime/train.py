@@ -24,11 +24,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from cost_models.comm import GRAD_BUCKET_BYTES
-from hetsynth.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.layouts import axes, is_shard
+from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.plan import Plan
 from instruction_set.precision import float_everywhere, with_float_dtype
+from instruction_set.program import GRAD_BUCKET_BYTES
 from instruction_set.shards import rank_offset
 from runtime.codegen import RankProgram, build_rank_program, groups_mesh
 from runtime.collectives.allreduce import reduce_sum

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetsynth import capture_model
-from hetsynth.models import parse_model_ref
 from instruction_set.interpret import graph_inputs, run_graph
+from instruction_set.models import parse_model_ref
 from instruction_set.rules import is_supported
 from planner.capture import CaptureError, UnsupportedOpsError, capture, summarize
 

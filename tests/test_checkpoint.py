@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hetsynth.models import parse_model_ref
+from instruction_set.models import parse_model_ref
 from runtime.train import TrainConfig, reference_training
 from test_parity import make
 

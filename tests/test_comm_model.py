@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.cluster import load_cluster
 from cost_models.comm import CommModel, collective_terms
+from instruction_set.cluster import load_cluster
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 D = 1.0  # seconds of the whole tensor at beta
@@ -72,7 +72,7 @@ def _ring_paths(kind: str, monkeypatch: pytest.MonkeyPatch, g: int = 4) -> dict[
     their lengths 1..g."""
     import torch
 
-    from runtime.collectives import gather, scatter
+    from runtime.collectives import gather, ring, scatter
     from runtime.collectives.span import Span
 
     paths: dict[int, set[frozenset]] = {j: set() for j in range(g)}
@@ -81,7 +81,7 @@ def _ring_paths(kind: str, monkeypatch: pytest.MonkeyPatch, g: int = 4) -> dict[
         if send is not None:
             paths[send.shape[0] - 1].add(frozenset({span.index, (span.index + direction) % g}))
 
-    monkeypatch.setattr(gather, "exchange", record)
+    monkeypatch.setattr(ring, "exchange", record)
     lengths = tuple(range(1, g + 1))
     for i in range(g):
         span = Span(None, tuple(range(g)), i, 0, lengths)

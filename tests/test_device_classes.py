@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import hetsynth
-from cost_models.cluster import load_cluster
 from cost_models.device_classes import DeviceClasses
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import MemoryTerm
+import hetsynth
+from instruction_set.cluster import load_cluster
 from planner import baselines
 from planner.evaluate import Term, program_terms
 from planner.problem import Problem

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.cluster import cluster_from_dict, load_cluster
+from instruction_set.cluster import cluster_from_dict, load_cluster
 from runtime.emulation import Emulation, assign_cpus, leftovers, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     import json
 
     from hetsynth import capture_model
-    from hetsynth.models import parse_model_ref
+    from instruction_set.models import parse_model_ref
     from instruction_set.plan import save_plan
     from planner import baselines
     from planner.planner import make_plan
@@ -142,7 +142,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
 
 HOLD = """
 import time
-from cost_models.cluster import load_cluster
+from instruction_set.cluster import load_cluster
 from runtime.emulation import Emulation
 with Emulation(load_cluster("configs/clusters/local-emulated.toml")):
     print("up", flush=True)
@@ -164,10 +164,10 @@ def test_sigterm_removes_the_emulation() -> None:
 
 @needs_root
 def test_model_timed_on_the_emulated_devices() -> None:
-    """runtime.model_timing: every device times its rows (throughput-proportional, adding up
+    """profiling.model_timing: every device times its rows (throughput-proportional, adding up
     to the batch); per row the slow kind (a quarter CPU) takes at least about the quota ratio
     longer than the fast one (half a CPU); nothing is left behind."""
-    from runtime.model_timing import time_on_cluster
+    from profiling.model_timing import time_on_cluster
 
     before = leftovers()
     records = time_on_cluster("gpt:tiny,batch_size=96", SPEC, seconds=0.2)

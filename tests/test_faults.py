@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from cost_models.cluster import load_cluster
+from instruction_set.cluster import load_cluster
 from runtime.emulation import leftovers
 from runtime.runstate import state_dir
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from cost_models.cluster import load_cluster
+from instruction_set.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"

@@ -1,4 +1,4 @@
-"""Measured op costs (planner.op_profile): every op with work gets a time, the times add up to
+"""Measured op costs (profiling.op_profile): every op with work gets a time, the times add up to
 the whole model's, and the planner sees the measured graph (not a stale copy of it)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from cost_models.compute import FREE_OPS
 from hetsynth import capture_model
-from hetsynth.models import parse_model_ref
 from instruction_set.graph import Node
-from planner.op_profile import calibrate_to_model, measure_ops
+from instruction_set.models import parse_model_ref
+from profiling.op_profile import calibrate_to_model, measure_ops
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ def test_calibration_preserves_ratios_and_matches_the_whole() -> None:
 
 
 def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
-    """A kind whose whole model was timed on the device (runtime.model_timing) is charged
+    """A kind whose whole model was timed on the device (profiling.model_timing) is charged
     that factor for every op; kinds not timed keep the matmul-rate ratio."""
     from pathlib import Path
 
-    from cost_models.cluster import load_cluster
+    from instruction_set.cluster import load_cluster
     from cost_models.compute import compute_cost, launches
     from planner import baselines
     from planner.problem import Problem
@@ -59,7 +59,7 @@ def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
 
 
 def test_device_scales_compare_equal_rows() -> None:
-    from runtime.model_timing import device_scales
+    from profiling.model_timing import device_scales
 
     records = [{"kind": "fast", "rows": 10, "seconds": 1.0}, {"kind": "fast", "rows": 20, "seconds": 3.0},
                {"kind": "slow", "rows": 10, "seconds": 2.0}, {"kind": "slow", "rows": 0, "seconds": 0.0}]

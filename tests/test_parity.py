@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cost_models.cluster import load_cluster
 from hetsynth import capture_model
-from hetsynth.models import parse_model_ref
+from instruction_set.cluster import load_cluster
 from instruction_set.graph import ReferenceGraph
+from instruction_set.models import parse_model_ref
 from instruction_set.plan import Plan
 from planner.planner import DP_SEED, make_plan
 from planner.problem import Restrictions

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hetsynth
-from cost_models.cluster import cluster_from_dict, load_cluster
+from instruction_set.cluster import cluster_from_dict, load_cluster
 from instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
 from planner import baselines
 from planner.planner import PlanInfeasible, search_plan

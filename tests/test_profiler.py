@@ -1,4 +1,4 @@
-"""The profiler's alpha-beta fit (runtime.profiler.fit): it recovers the parameters of the
+"""The profiler's alpha-beta fit (profiling.profiler.fit): it recovers the parameters of the
 cost model's own formulas, and on a link that passes a burst at line rate (a token-bucket
 shaper, as on the emulated cluster) it still predicts large messages from their sustained
 bandwidth."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.comm import collective_terms
-from runtime.profiler import CASES, fit
+from profiling.profiler import CASES, fit
 
 SIZES = [64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20]
 SHARES = [[0.25] * 4, [0.9, 0.1 / 3, 0.1 / 3, 0.1 / 3]]

@@ -15,7 +15,7 @@ import torch
 
 import hetsynth
 from hetsynth.cli import main
-from hetsynth.models import parse_model_ref
+from instruction_set.models import parse_model_ref
 from runtime import launch
 from runtime.runstate import state_dir
 

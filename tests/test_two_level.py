@@ -24,7 +24,7 @@ import torch.testing._internal.distributed.fake_pg as fake_pg
 
 from cost_models.cluster import ClusterSpec, load_cluster
 from hetsynth import capture_model
-from hetsynth.models import parse_model_ref
+from instruction_set.models import parse_model_ref
 from instruction_set.graph import ReferenceGraph
 from instruction_set.mesh import Mesh
 from instruction_set.plan import Plan

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetsynth.models import ModelRefError, parse_model_ref, with_overrides
 from hetsynth.zoo import ZOO
+from instruction_set.models import ModelRefError, parse_model_ref, with_overrides
 
 NATIVE = ["gpt", "bert", "vit", "vgg", "moe"]
 

@@ -3,29 +3,15 @@
 Every model's `forward(*inputs)` returns the training loss. Presets share override names where
 they apply (`num_layers`, `hidden`, `num_heads`, `ffn_hidden`, `seq_len`, `vocab_size`,
 `batch_size`, `num_experts`, plus `dtype`); each model has a `tiny` preset for tests. Models
-are referenced as `NAME:PRESET[,key=value...]` (see hetsynth.models).
+are referenced as `NAME:PRESET[,key=value...]` (see instruction_set.models). Each entry of `ZOO`
+is registered as a model family when this package loads (the `hetsynth.models` entry point).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
-
-import torch
-from torch import nn
-
-from hetsynth.zoo import bert, gpt, hf, moe, resnet, torch_layers, vgg, vit
-
-
-@dataclass(frozen=True)
-class ZooModel:
-    name: str
-    description: str
-    config_cls: type
-    presets: Mapping[str, Mapping[str, Any]]
-    build: Callable[[Any], nn.Module]
-    example_inputs: Callable[[Any, Any], tuple[torch.Tensor, ...]]
-    make_batch: Callable[[Any, Sequence[int], int], tuple[torch.Tensor, ...]]
+from hetsynth.zoo import bert, gpt, hf, hf_auto, moe, resnet, torch_layers, vgg, vit
+from instruction_set.models import ModelFamily as ZooModel
+from instruction_set.models import ModelResolver, register_family, register_resolver
 
 
 ZOO: dict[str, ZooModel] = {
@@ -49,5 +35,9 @@ ZOO: dict[str, ZooModel] = {
     "hf-bert": ZooModel("hf-bert", "HuggingFace BertForMaskedLM from a config (needs transformers)",
                         hf.HFConfig, hf.PRESETS, hf.build_bert, hf.example_inputs, hf.make_bert_batch),
 }
+
+for _family in ZOO.values():
+    register_family(_family)
+register_resolver(ModelResolver("hf", "hf:<model_type>", hf_auto.spec))
 
 __all__ = ["ZOO", "ZooModel"]

@@ -2,7 +2,7 @@
 
 Each zoo model's config is a frozen pydantic dataclass (`zoo_config`) built from these field
 types, so `gpt:tiny,hidden=-5` or `vit:paper,patch_size=7` fail when the reference is
-resolved, with the field, the value and the valid range in the message (hetsynth.models),
+resolved, with the field, the value and the valid range in the message (instruction_set.models),
 rather than inside torch. Overrides arrive as text and are converted by the field's type
 (`"96"` -> 96 for an int field; `"1.5"` for an int field is an error).
 """

@@ -39,9 +39,11 @@ from typing import Any, Literal, Sequence
 import torch
 from torch import nn
 
+from pydantic import ValidationError
+
 from hetsynth.zoo.config import Count, FloatDType, Pair, zoo_config
-from hetsynth.zoo.layers import seeded_generator
 from hetsynth.zoo.vit import image_batch
+from instruction_set.models import ModelRefError, ModelSpec, config_error, seeded_generator
 
 TASKS = ("seq2seq-lm", "masked-lm", "causal-lm", "image-classification")
 _MAPPINGS = {"seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
@@ -279,3 +281,18 @@ def make_batch(cfg: HFAutoConfig, sample_ids: Sequence[int], seed: int) -> tuple
         empty = torch.zeros(0, cfg.seq_len, dtype=torch.long)
         return empty, empty.clone()
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def spec(ref: str, model_type: str, overrides: dict[str, str]) -> ModelSpec:
+    """The ModelSpec of `hf:<model_type>[,k=v...]` (registered as the `hf` model resolver)."""
+    if not model_type:
+        raise ModelRefError("hf:<model_type> needs a HuggingFace model type, e.g. hf:llama or hf:t5")
+    try:
+        cfg = resolve(model_type, overrides)
+    except ValidationError as err:
+        raise config_error(ref, err) from None
+    except ValueError as err:
+        raise ModelRefError(str(err)) from None
+    return ModelSpec(ref=ref, name=f"hf:{model_type}", config=cfg, _build=lambda: build(cfg),
+                     _inputs=lambda device: example_inputs(cfg, device),
+                     _batch=lambda ids, seed: make_batch(cfg, ids, seed))

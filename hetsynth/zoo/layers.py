@@ -87,8 +87,3 @@ def init_gpt_style(module: nn.Module, std: float = 0.02) -> None:
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
-
-
-def seeded_generator(seed: int, sample_id: int) -> torch.Generator:
-    """A generator for one sample: the same sample is the same on every rank and in every run."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + sample_id) % (2**63))

@@ -30,8 +30,8 @@ from pydantic import model_validator
 from torch import nn
 
 from hetsynth.zoo.config import Count, TokenModel as TokenConfig, check_heads, zoo_config
-from hetsynth.zoo.layers import seeded_generator
 from hetsynth.zoo.vit import image_batch
+from instruction_set.models import seeded_generator
 
 TOKENS = ("transformer-encoder", "transformer", "mha", "lstm", "gru")
 IMAGES = ("groupnorm", "instancenorm", "depthwise", "unet")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import R, S
-from instruction_set.rules import Rule, arg, register
+from instruction_set.rules.registry import Rule, arg, register
 
 
 def _grouped(q: TensorMeta, kv: TensorMeta) -> bool:

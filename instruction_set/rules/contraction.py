@@ -20,7 +20,7 @@ import string
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, R, S
-from instruction_set.rules import Rule, arg, register
+from instruction_set.rules.registry import Rule, arg, register
 
 
 def contraction_rules(ops: list[str], out: str, sizes: dict[str, int],

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, R, S
-from instruction_set.rules import Rule, arg, register
+from instruction_set.rules.registry import Rule, arg, register
 
 
 def _conv(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:

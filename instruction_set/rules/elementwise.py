@@ -23,7 +23,7 @@ import torch
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, R, S
-from instruction_set.rules import Rule, register, register_tag
+from instruction_set.rules.registry import Rule, register, register_tag
 
 ADDITIVE, BILINEAR, FIRST, UNARY = "additive", "bilinear", "first", "unary"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, R, S
-from instruction_set.rules import Rule, register
+from instruction_set.rules.registry import Rule, register
 
 
 def _embedding(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:

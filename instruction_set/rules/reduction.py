@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, PMAX, R, S
-from instruction_set.rules import Rule, arg, norm_dim, register
+from instruction_set.rules.registry import Rule, arg, norm_dim, register
 
 
 WHOLE = ("aten.sum.default", "aten.mean.default", "aten.amax.default", "aten.amin.default",

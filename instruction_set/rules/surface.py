@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from instruction_set.rules import is_supported
+from instruction_set.rules.registry import is_supported
 from instruction_set.rules.replicated_only import REASONS
 
 DECOMPOSED = {

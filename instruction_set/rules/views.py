@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.layouts import P, R, S
-from instruction_set.rules import Rule, arg, norm_dim, register
+from instruction_set.rules.registry import Rule, arg, norm_dim, register
 
 Shape = tuple[int, ...]
 

@@ -3,11 +3,10 @@ backward passes, for uneven and zero-length shards, on explicit process groups.
 One module per family: gather (all-gather), scatter (reduce-scatter), allreduce, alltoall,
 local (slice, partial)."""
 
+from runtime.collectives.adjoint import all_gather, reduce_scatter
 from runtime.collectives.allreduce import all_reduce, all_reduce_max
 from runtime.collectives.alltoall import all_to_all
-from runtime.collectives.gather import all_gather
 from runtime.collectives.local import partial, slice_rows
-from runtime.collectives.scatter import reduce_scatter
 from runtime.collectives.span import Span
 
 __all__ = ["Span", "all_gather", "all_reduce", "all_reduce_max", "all_to_all", "partial",

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from runtime.collectives.gather import GATHER
+from runtime.collectives.scatter import SCATTER
 from runtime.collectives.span import Span
 
 Impl = Callable[[torch.Tensor, Span], torch.Tensor]
@@ -22,3 +24,13 @@ class Adjoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return ctx.backward_impl(grad, ctx.span), None, None, None
+
+
+def all_gather(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
+    """S(d) -> R; backward: reduce-scatter P -> S(d) of the same variant."""
+    return Adjoint.apply(x, span, GATHER[variant], SCATTER[variant])
+
+
+def reduce_scatter(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
+    """P -> S(d); backward: all-gather S(d) -> R of the same variant."""
+    return Adjoint.apply(x, span, SCATTER[variant], GATHER[variant])

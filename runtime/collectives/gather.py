@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import scatter as rs
-from runtime.collectives.adjoint import Adjoint
+from runtime.collectives import ring
 from runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
@@ -41,20 +40,6 @@ def gather_grouped(x: torch.Tensor, span: Span) -> torch.Tensor:
     return from_front(torch.cat(chunks), span.dim)
 
 
-def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int = 1) -> None:
-    """Send to the next member and receive from the previous one (each wait exactly once);
-    `direction` -1 runs the ring the other way round."""
-    nxt = span.members[(span.index + direction) % span.size]
-    prev = span.members[(span.index - direction) % span.size]
-    ops = []
-    if send is not None and send.numel() > 0:
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), nxt, group=span.group))
-    if recv is not None and recv.numel() > 0:
-        ops.append(dist.P2POp(dist.irecv, recv, prev, group=span.group))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-
-
 def gather_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
     front = to_front(x, span.dim)
     g, i = span.size, span.index
@@ -63,12 +48,8 @@ def gather_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
     for step in range(g - 1):
         send_idx, recv_idx = (i - step) % g, (i - step - 1) % g
         blocks[recv_idx] = front.new_empty(span.lengths[recv_idx], *front.shape[1:])
-        exchange(blocks[send_idx], blocks[recv_idx], span)
+        ring.exchange(blocks[send_idx], blocks[recv_idx], span)
     return from_front(torch.cat(blocks), span.dim)  # type: ignore[arg-type]
 
 
 GATHER = {"padded": gather_padded, "grouped": gather_grouped, "ring": gather_ring}
-
-
-def all_gather(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
-    return Adjoint.apply(x, span, GATHER[variant], rs.SCATTER[variant])

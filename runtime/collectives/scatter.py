@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import gather as ag
-from runtime.collectives.adjoint import Adjoint
+from runtime.collectives import ring
 from runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
@@ -52,13 +51,9 @@ def scatter_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
     for step in range(g - 1):
         send_idx, recv_idx = (i + step + 1) % g, (i + step + 2) % g
         tmp = front.new_empty(span.lengths[recv_idx], *front.shape[1:])
-        ag.exchange(acc[send_idx], tmp, span, direction=-1)
+        ring.exchange(acc[send_idx], tmp, span, direction=-1)
         acc[recv_idx] = acc[recv_idx] + tmp
     return from_front(acc[i], span.dim)
 
 
 SCATTER = {"padded": scatter_padded, "grouped": scatter_grouped, "ring": scatter_ring}
-
-
-def reduce_scatter(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
-    return Adjoint.apply(x, span, SCATTER[variant], ag.GATHER[variant])

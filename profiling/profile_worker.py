@@ -1,8 +1,8 @@
-"""One rank of `hetsynth profile`, started by torchrun (`python -m runtime.profile_worker`).
+"""One rank of `hetsynth profile`, started by torchrun (`python -m profiling.profile_worker`).
 
 Every rank measures its compute, then all ranks time the collectives on all ranks, on each
 node's ranks and on the cross-node groups of one rank per node, all groups at once
-(runtime.profiler); rank 0 fits alpha-beta and writes the measured spec.
+(profiling.profiler); rank 0 fits alpha-beta and writes the measured spec.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from cost_models.cluster import dump_cluster_toml, load_cluster
+from instruction_set.cluster import dump_cluster_toml, load_cluster
 from instruction_set.mesh import Mesh
+from profiling.profiler import measure_collectives, measure_compute, measured_spec
 from runtime.groups import Groups
 from runtime.rank import run_rank
-from runtime.profiler import measure_collectives, measure_compute, measured_spec
 
 
 OUTER_SKEWS = [None]  # outer groups of two nodes; their shares follow node sums
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="runtime.profile_worker")
+    p = argparse.ArgumentParser(prog="profiling.profile_worker")
     p.add_argument("--cluster", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--seconds", type=float, default=1.0, help="time per compute measurement")

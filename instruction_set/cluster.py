@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cost_models.calibration import Calibration
+from instruction_set.calibration import Calibration
 
 
 class ClusterSpecError(ValueError):

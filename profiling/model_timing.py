@@ -1,6 +1,6 @@
 """Time a model on the devices of a cluster that runs on this machine (the emulated one).
 
-Op timings taken on this machine (planner.op_profile) scaled by the devices' matmul rates do
+Op timings taken on this machine (profiling.op_profile) scaled by the devices' matmul rates do
 not predict an emulated device well: under a CPU quota a device loses its caches to the
 other workers every period, and how much that costs depends on the model and the quota
 (on a quarter CPU, VGG runs 5.8x slower than on this machine alone, where the matmul rates
@@ -15,11 +15,11 @@ device kind's factor is
 The same rows on both sides, so fixed per-step costs (Python, small-batch inefficiency) are
 not extrapolated: a factor measured on a few rows is still a slowdown, not a per-row cost.
 `time_on_cluster` launches the devices' part (runtime.launch: emulated when the spec asks and
-root allows); hetsynth.capture_measured times the reference rows and stores the factors as the
+root allows); profiling.measured times the reference rows and stores the factors as the
 graph's device_scales, which then replace the matmul-rate ratio for every op of the model on
 devices of that kind (cost_models.compute).
 
-    python -m runtime.model_timing --model REF --cluster SPEC --output JSON   (under torchrun)
+    python -m profiling.model_timing --model REF --cluster SPEC --output JSON   (under torchrun)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cost_models.cluster import ClusterSpec, dump_cluster_toml, load_cluster
+from instruction_set.cluster import ClusterSpec, dump_cluster_toml, load_cluster
 from instruction_set.shards import largest_remainder
 from runtime.rank import run_rank
 
@@ -47,7 +47,7 @@ def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> lis
     with recorded_run() as (_, tmp):
         spec_path, out = tmp / "cluster.toml", tmp / "timing.json"
         spec_path.write_text(dump_cluster_toml(cluster))
-        launch_checked(cluster, ["-m", "runtime.model_timing", "--model", ref, "--cluster", str(spec_path),
+        launch_checked(cluster, ["-m", "profiling.model_timing", "--model", ref, "--cluster", str(spec_path),
                                  "--output", str(out), "--seconds", str(seconds)],
                        f"timing {ref} on the devices of {cluster.name!r}")
         return json.loads(out.read_text())["devices"]
@@ -71,8 +71,8 @@ def device_rows(cluster: ClusterSpec, batch: int) -> list[int]:
 
 
 def time_rows(rank: int, args: argparse.Namespace) -> None:
-    from hetsynth.models import parse_model_ref
-    from planner.op_profile import model_seconds
+    from instruction_set.models import parse_model_ref
+    from profiling.op_profile import model_seconds
 
     cluster = load_cluster(args.cluster)
     spec = parse_model_ref(args.model)
@@ -92,7 +92,7 @@ def time_rows(rank: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="runtime.model_timing")
+    p = argparse.ArgumentParser(prog="profiling.model_timing")
     p.add_argument("--model", required=True)
     p.add_argument("--cluster", required=True)
     p.add_argument("--output", required=True)

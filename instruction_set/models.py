@@ -7,28 +7,92 @@ A user factory is called with the overrides as keyword arguments and returns
 model are the rows of its example inputs when they hold real values (sample `i` is row
 `i % batch`), and seeded random values of the same shape and dtype when they are on the meta
 device.
+
+Model families (a name, presets and the functions that build a module and its data) are a
+registry, as op rules are: `register_family` adds one. The project's zoo (hetsynth.zoo) and any
+other package reach it through the Python entry point group `hetsynth.models`, loaded on the
+first lookup, so a rank resolves `gpt:tiny` without importing the face (arrows point down).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import traceback
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from pydantic import ValidationError
 from torch import nn
 
-from hetsynth.zoo import ZOO, ZooModel
-from hetsynth.zoo.layers import seeded_generator
+ENTRY_POINTS = "hetsynth.models"
 
 
 class ModelRefError(ValueError):
     """A model reference that does not resolve; the message lists what would be valid."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A family of models referenced as `NAME:PRESET[,key=value...]`: presets are keyword
+    arguments of `config_cls`; `build(cfg)` makes the module, `example_inputs(cfg, device)` one
+    batch, `make_batch(cfg, sample_ids, seed)` the training rows of those global samples."""
+
+    name: str
+    description: str
+    config_cls: type
+    presets: Mapping[str, Mapping[str, Any]]
+    build: Callable[[Any], nn.Module]
+    example_inputs: Callable[[Any, Any], tuple[torch.Tensor, ...]]
+    make_batch: Callable[[Any, Sequence[int], int], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class ModelResolver:
+    """References `name:<what>[,k=v...]` resolved by a function rather than presets (as
+    hf:<model_type>): `resolve(ref, what, overrides)` returns the ModelSpec."""
+
+    name: str
+    usage: str  # how the reference is written, for error messages: "hf:<model_type>"
+    resolve: Callable[[str, str, dict[str, str]], "ModelSpec"]
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+_RESOLVERS: dict[str, ModelResolver] = {}
+_plugins_loaded = False
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add a model family; a second family under the same name is a programming error."""
+    assert _FAMILIES.get(family.name, family) is family, f"model family {family.name!r} registered twice"
+    _FAMILIES[family.name] = family
+    return family
+
+
+def register_resolver(resolver: ModelResolver) -> ModelResolver:
+    """Add a resolver; a second one under the same name is a programming error."""
+    assert _RESOLVERS.get(resolver.name, resolver) is resolver, f"model resolver {resolver.name!r} registered twice"
+    _RESOLVERS[resolver.name] = resolver
+    return resolver
+
+
+def families() -> dict[str, ModelFamily]:
+    """Every registered family by name (the entry point group's packages loaded once)."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+            ep.load()
+    return dict(_FAMILIES)
+
+
+def seeded_generator(seed: int, sample_id: int) -> torch.Generator:
+    """A generator for one sample: the same sample is the same on every rank and in every run."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + sample_id) % (2**63))
 
 
 @dataclass(frozen=True)
@@ -85,7 +149,7 @@ def _check_options(model: str, cfg_cls: type, overrides: dict[str, str]) -> None
             )
 
 
-def _config_error(ref: str, err: ValidationError) -> ModelRefError:
+def config_error(ref: str, err: ValidationError) -> ModelRefError:
     """One line per bad field: `ref: key=value: what is valid` (hetsynth.zoo.config)."""
     lines = []
     for e in err.errors():
@@ -106,7 +170,7 @@ def _parse_overrides(text: str) -> dict[str, str]:
     return out
 
 
-def _zoo_spec(ref: str, entry: ZooModel, preset: str, overrides: dict[str, str]) -> ModelSpec:
+def _zoo_spec(ref: str, entry: ModelFamily, preset: str, overrides: dict[str, str]) -> ModelSpec:
     if preset not in entry.presets:
         raise ModelRefError(
             f"model {entry.name!r} has no preset {preset!r}; presets: {', '.join(entry.presets)}"
@@ -115,7 +179,7 @@ def _zoo_spec(ref: str, entry: ZooModel, preset: str, overrides: dict[str, str])
     try:
         cfg = entry.config_cls(**(dict(entry.presets[preset]) | overrides))
     except ValidationError as err:
-        raise _config_error(ref, err) from None
+        raise config_error(ref, err) from None
     return ModelSpec(
         ref=ref, name=entry.name, config=cfg,
         _build=lambda: entry.build(cfg),
@@ -223,37 +287,25 @@ def _file_spec(ref: str, path: Path, factory_name: str, overrides: dict[str, str
                      _batch=lambda ids, seed: _rows(made()[1], ids, seed))
 
 
-def _hf_spec(ref: str, model_type: str, overrides: dict[str, str]) -> ModelSpec:
-    from hetsynth.zoo import hf_auto
-
-    if not model_type:
-        raise ModelRefError("hf:<model_type> needs a HuggingFace model type, e.g. hf:llama or hf:t5")
-    try:
-        cfg = hf_auto.resolve(model_type, overrides)
-    except ValidationError as err:
-        raise _config_error(ref, err) from None
-    except ValueError as err:
-        raise ModelRefError(str(err)) from None
-    return ModelSpec(ref=ref, name=f"hf:{model_type}", config=cfg, _build=lambda: hf_auto.build(cfg),
-                     _inputs=lambda device: hf_auto.example_inputs(cfg, device),
-                     _batch=lambda ids, seed: hf_auto.make_batch(cfg, ids, seed))
-
-
 def parse_model_ref(ref: str) -> ModelSpec:
     """Resolve `NAME:PRESET[,k=v...]`, `hf:<model_type>[,k=v...]` or `path/file.py:factory[,k=v...]`."""
     head, _, tail = ref.partition(",")
     name, sep, preset = head.rpartition(":")
+    known = families()
     if not sep:
-        name, preset = head, "tiny" if head in ZOO else ""
+        name, preset = head, "tiny" if head in known else ""
     if name.endswith(".py"):
         return _file_spec(ref, Path(name), preset or "model", _parse_overrides(tail))
-    if name == "hf":
-        return _hf_spec(ref, preset, _parse_overrides(tail))
-    if name not in ZOO:
+    if name in _RESOLVERS:
+        return _RESOLVERS[name].resolve(ref, preset, _parse_overrides(tail))
+    if name not in known:
+        hint = "" if known else ("; no model families are installed: install hetsynth (pip install -e .) "
+                                 f"so that its zoo registers through the {ENTRY_POINTS!r} entry points")
+        usages = [*known, *(r.usage for r in _RESOLVERS.values())]
         raise ModelRefError(
-            f"unknown model {name!r}; zoo models: {', '.join(ZOO)}, hf:<model_type> (or path/to/file.py:factory)"
+            f"unknown model {name!r}; zoo models: {', '.join(usages)} (or path/to/file.py:factory){hint}"
         )
-    return _zoo_spec(ref, ZOO[name], preset, _parse_overrides(tail))
+    return _zoo_spec(ref, known[name], preset, _parse_overrides(tail))
 
 
 def with_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:

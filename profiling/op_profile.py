@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from cost_models.compute import FREE_OPS
-from cost_models.measure import matmul_throughput, sustained_seconds
 from instruction_set.graph import Node, ReferenceGraph
 from instruction_set.interpret import call_node, graph_inputs
+from profiling.measure import matmul_throughput, sustained_seconds
 
 
 def _signature(node: Node, env: dict[str, Any]) -> str:

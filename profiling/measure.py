@@ -1,4 +1,4 @@
-"""Timing helpers shared by the profiler (runtime) and the op profiler (planner).
+"""Timing helpers shared by the cluster profiler (profiler.py) and the op profiler (op_profile.py).
 
 Under a CPU quota a short call runs at full speed and the throttling falls between calls, so
 timings are sustained: repetitions filling a time budget, timed as one block.

@@ -1,10 +1,10 @@
 """Measure a cluster: device throughput and alpha-beta of every collective variant.
 
-Run on every rank (`hetsynth profile`, via runtime.profile_worker), on an emulated cluster
+Run on every rank (`hetsynth profile`, via profiling.profile_worker), on an emulated cluster
 inside its quotas and shaped links, or on a real one (NCCL on GPUs):
 
 - compute: dense matmuls of the sizes the zoo models use (FLOP/s, the best of the sizes'
-  sustained rates, cost_models.measure), a large elementwise add (memory bandwidth), a tiny
+  sustained rates, profiling.measure), a large elementwise add (memory bandwidth), a tiny
   op (per-op launch overhead, what eager execution of a captured graph pays per op);
 - communication: every collective variant of the runtime, on all ranks (link class "inter"
   when the cluster has several nodes), on each node's ranks ("intra") and on the cross-node
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cost_models.calibration import AlphaBeta, Calibration
-from cost_models.cluster import ClusterSpec
 from cost_models.comm import collective_terms
-from cost_models.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
+from instruction_set.calibration import AlphaBeta, Calibration
+from instruction_set.cluster import ClusterSpec
 from instruction_set.shards import largest_remainder
+from profiling.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
 from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
 from runtime.collectives.allreduce import reduce_ring
 from runtime.groups import Groups

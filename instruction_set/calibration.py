@@ -4,7 +4,7 @@ The alpha-beta model charges a message of `b` bytes `alpha + b / beta`. The prof
 alpha (latency, us) and beta (bandwidth, Gbit/s) per link class ("intra" for devices of one
 node, "inter" for groups of all devices across nodes, "outer" for the concurrent groups of one
 device per node, which share each node's NIC) and per collective variant (for example "all_gather.ring"), by
-least squares over message sizes (runtime.profiler). Variants without a fit fall back to the
+least squares over message sizes (profiling.profiler). Variants without a fit fall back to the
 link figures of the cluster spec.
 """
 

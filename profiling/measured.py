@@ -1,0 +1,62 @@
+"""A reference graph with measured costs: its ops and optimizer step timed on this machine
+(profiling.op_profile) and, on an emulated cluster, each device kind's factor from timing the
+whole model there (profiling.model_timing)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from instruction_set.cluster import ClusterSpec
+from instruction_set.graph import ReferenceGraph
+from instruction_set.models import parse_model_ref
+from planner.capture import capture_spec
+from profiling.model_timing import device_scales, time_on_cluster
+from profiling.op_profile import measure_ops, model_seconds, one_thread
+from runtime import emulation
+
+log = logging.getLogger(__name__)
+
+
+def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,
+                     cluster: ClusterSpec | None = None) -> ReferenceGraph:
+    """The captured graph of `ref` with its ops timed on its own initialisation and first
+    batch; with a `cluster` that is emulated here, also timed on its devices."""
+    spec = parse_model_ref(ref)
+    graph = capture_spec(spec, allow_replicate_fallback=allow_replicate_fallback)
+    module, batch = spec.build("cpu"), spec.make_batch(range(spec.batch_size), seed=1)
+    graph = measured(graph, module, batch)
+    if cluster is not None and cluster.emulation is not None:
+        graph = with_device_scales(graph, spec.ref, cluster, module, batch)
+    return graph
+
+
+def with_device_scales(graph: ReferenceGraph, ref: str, cluster: ClusterSpec, module: nn.Module,
+                       batch: Sequence[torch.Tensor]) -> ReferenceGraph:
+    """The timed graph with device_scales from timing `ref` on the emulated devices of
+    `cluster` against this machine on the same rows of `batch` (unchanged, with a warning,
+    where this machine cannot emulate)."""
+    reason = emulation.unavailable()
+    if reason is not None:
+        log.warning("note: not timing %s on the emulated devices (%s); device speeds from their "
+                    "matmul rates", ref, reason)
+        return graph
+    records = time_on_cluster(ref, cluster)
+    with one_thread():
+        reference = {rows: model_seconds(module, [t[:rows] for t in batch], 1.0)
+                     for rows in sorted({r["rows"] for r in records if r["rows"] > 0})}
+    scales = device_scales(records, reference)
+    log.info("timed %s on the emulated devices: %s", ref, ", ".join(
+        f"{kind} {scales[kind]:.2f}x this machine on the same rows "
+        f"({graph.reference_flops / cluster.device_kinds[kind].throughput_flops:.2f}x by matmul rate)"
+        for kind in sorted(scales)))
+    return graph.model_copy(update={"device_scales": scales})
+
+
+def measured(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.Tensor]) -> ReferenceGraph:
+    """`graph` with each op's seconds measured on `module` and `inputs` (seeded)."""
+    torch.manual_seed(0)
+    return measure_ops(graph, module, inputs)
