@@ -1,12 +1,13 @@
 """Predicted step time of hetsynth's plan against the baselines, for every zoo model on every
 shipped cluster, under the same cost model.
 
-    python bench/plan_quality.py [--clusters ...] [--models ...]
+    python bench/plan_quality.py [--clusters ...] [--models ...] [--out NAME]
 
 GPU clusters use the `paper` presets with a global batch of 32 per device (the HAP setting);
 local-emulated (4 CPU workers) uses the `small-cpu` presets at their own batch size. Prints a
 table of step times (ms) and hetsynth's speed-up over each baseline, writes
-bench/results/plan_quality.json.
+bench/results/plan_quality.json (or bench/results/NAME with --out, for a partial run compared
+against it).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS))
     parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--out", default="plan_quality.json", help="file name under bench/results/")
     args = parser.parse_args()
     results, rows = {}, []
     for cluster in args.clusters:
@@ -61,7 +63,7 @@ def main() -> None:
     header = ["model", "cluster", "hetsynth ms", "DP-EV ms", "DP-CP ms", "Megatron ms",
               "vs best baseline", "synthesis s"]
     print_tables(rows, header)
-    write_json("plan_quality.json", results)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Cost of a finished program: one Term per instruction, memory per device, prediction.
 
-Every instruction of a program contributes a `Term`: its time as a LinearCost, the per-device
-shares it is evaluated at (the rounded shard lengths at the problem's ratios), how those
-shares depend on the ratios for the LP (`lp_kind`), whether it is compute or communication,
-and its memory. The same terms give
+Every instruction of a program contributes a `Term` (cost_models.terms): its time as forms
+that compose, each a LinearCost at the per-device shares it is evaluated at (the rounded
+shard lengths at the problem's ratios) with how those shares depend on the ratios for the LP
+(its ShareKind) and its category (compute or communication), and its memory. Today every
+instruction is one form (`Term.leaf`). The same terms give
 
-- the prediction of a plan: step time = sum over instructions of the max over devices, plus
-  the step's scalar all-reduces (step_term); per-device compute, communication and memory
-  (per class of interchangeable devices, planner.problem, expanded to every device);
+- the prediction of a plan: step time = sum over instructions of their seconds (for a leaf,
+  the max over devices), plus the step's scalar all-reduces (step_term); per-device compute
+  (`busy`), exposed communication and memory (per class of interchangeable devices,
+  planner.problem, expanded to every device);
 - the sharding-ratio LP (planner.ratios), which replaces the shares by functions of the
   ratio variables r: "flat" s_i = r_i, "node" s_i = sum of r over device i's node, "fixed"
   (shares inside one node only: kept at their current value), "none" (no split).
@@ -15,11 +17,12 @@ and its memory. The same terms give
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.linear_cost import LinearCost
-from cost_models.memory import GIB, MemoryTerm, activation_memory, param_memory
+from cost_models.memory import GIB, activation_memory, param_memory
+from cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
+from instruction_set.kinds import Category
 from instruction_set.layouts import axes, is_shard, is_two_level
 from instruction_set.plan import DevicePrediction, Prediction
 from instruction_set.program import Instruction
@@ -27,24 +30,15 @@ from planner.problem import Problem, rule_splits
 from planner.sfb import sfb_cost
 
 
-@dataclass(frozen=True)
-class Term:
-    time: LinearCost
-    shares: tuple[float, ...]
-    lp_kind: str
-    is_compute: bool
-    memory: MemoryTerm | None = None
-
-
-def lp_kind(layouts: Sequence[str]) -> str:
+def share_kind(layouts: Sequence[str]) -> ShareKind:
     """How the shares of a split across these layouts depend on the ratios."""
     split = [l for l in layouts if is_shard(l)]
     flat = any(not is_two_level(l) for l in split)
     outer = any(is_two_level(l) and is_shard(axes(l)[0]) for l in split)
     inner = any(is_two_level(l) and is_shard(axes(l)[1]) for l in split)
     if flat or (outer and inner):
-        return "flat"
-    return "node" if outer else ("fixed" if inner else "none")
+        return ShareKind.FLAT
+    return ShareKind.NODE if outer else (ShareKind.FIXED if inner else ShareKind.NONE)
 
 
 def _rule_index(pb: Problem, ins: Instruction) -> int:
@@ -58,14 +52,16 @@ def _compute_term(pb: Problem, ins: Instruction) -> Term:
     node = pb.graph.node(ins.node)
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
-    return Term(pb.compute_linear(node, ri), pb.rule_shares(node, rule), lp_kind((rule.output, *rule.inputs)),
-                True, activation_memory(node, rule_splits(rule), pb.width))
+    shares = Shares(pb.rule_shares(node, rule), share_kind((rule.output, *rule.inputs)))
+    return Term.leaf(pb.compute_linear(node, ri), shares, Category.COMPUTE,
+                     activation_memory(node, rule_splits(rule), pb.width))
 
 
 def _param_term(pb: Problem, ins: Instruction) -> Term:
     mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.width)
     update = pb.update_linear(ins.tensor, ins.layout)
-    return Term(update, pb.shares(ins.tensor, ins.layout), lp_kind([ins.layout]), True, mem)
+    return Term.leaf(update, Shares(pb.shares(ins.tensor, ins.layout), share_kind([ins.layout])),
+                     Category.COMPUTE, mem)
 
 
 def _sync_term(pb: Problem, ins: Instruction) -> Term:
@@ -74,14 +70,14 @@ def _sync_term(pb: Problem, ins: Instruction) -> Term:
     if ins.axis == "outer":
         nbytes *= max(pb.shares(ins.tensor, ins.layout))
     cost = pb.comm.bucketed(ins.variant, nbytes, ins.axis)
-    return Term(cost, (1.0,) * pb.width, "none", False)
+    return Term.leaf(cost, Shares((1.0,) * pb.width, ShareKind.NONE), Category.COMMUNICATION)
 
 
 def _collective_term(pb: Problem, ins: Instruction) -> Term:
     shares, nbytes = pb.axis_shares(ins.tensor, ins.src, ins.layout, ins.axis)
     cost = pb.comm.with_adjoint(ins.kind, ins.variant, nbytes, pb.requires_grad(ins.tensor), ins.axis, shares)
-    kind = {"all": lp_kind([ins.src, ins.layout]), "inner": "fixed", "outer": "node"}[ins.axis]
-    return Term(cost, shares, kind, False)
+    kind = {"all": share_kind([ins.src, ins.layout]), "inner": ShareKind.FIXED, "outer": ShareKind.NODE}[ins.axis]
+    return Term.leaf(cost, Shares(shares, kind), Category.COMMUNICATION)
 
 
 def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term | None:
@@ -94,7 +90,8 @@ def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -
         x = pb.graph.node(ins.node).inputs[0]
         layout = x_layouts[ins.node]
         shares = pb.shares(x, layout)
-        return Term(sfb_cost(pb, ins.tensor, ins.node, ins.variant, shares), shares, "flat", False)
+        cost = sfb_cost(pb, ins.tensor, ins.node, ins.variant, shares)
+        return Term.leaf(cost, Shares(shares, ShareKind.FLAT), Category.COMMUNICATION)
     if ins.kind == "all_reduce" and ins.phase == "backward":
         return _sync_term(pb, ins)
     if ins.kind in ("input", "buffer", "slice", "partial"):
@@ -109,7 +106,8 @@ def step_term(pb: Problem) -> Term:
     """What every step adds to any program: the runtime's scalar all-reduces over all
     devices (runtime.train: global-norm clipping and the reported loss), latency-bound."""
     one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.width,) * pb.width)
-    return Term(LinearCost.constant(STEP_SCALARS * one, pb.width), (1.0,) * pb.width, "none", False)
+    return Term.leaf(LinearCost.constant(STEP_SCALARS * one, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
+                     Category.COMMUNICATION)
 
 
 def first_input_layouts(program: Sequence[Instruction]) -> dict[str, str]:
@@ -124,14 +122,15 @@ def program_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
 
 
 def step_time(terms: Sequence[Term]) -> float:
-    return sum(t.time.at(t.shares) for t in terms)
+    return sum(seconds(t.time) for t in terms)
 
 
 def memory_bytes(n: int, terms: Sequence[Term]) -> list[float]:
     total = [0.0] * n
     for t in terms:
         if t.memory is not None:
-            for i, b in enumerate(t.memory.per_device(t.shares)):
+            assert t.memory_at is not None, "a term with memory says where it is evaluated"
+            for i, b in enumerate(t.memory.per_device(t.memory_at.values)):
                 total[i] += b
     return total
 
@@ -141,11 +140,9 @@ def predict(pb: Problem, terms: Sequence[Term]) -> Prediction:
     compute = [0.0] * pb.width
     comm = 0.0
     for t in terms:
-        if t.is_compute:
-            for i, c in enumerate(t.time.per_device(t.shares)):
-                compute[i] += c
-        else:
-            comm += t.time.at(t.shares)
+        for i, c in enumerate(busy(t.time, Category.COMPUTE, pb.width)):
+            compute[i] += c
+        comm += exposed(t.time, Category.COMMUNICATION)
     memory = memory_bytes(pb.width, terms)
     caps = [k.memory_gib for k in pb.kinds]
     of = pb.devices.of_rank

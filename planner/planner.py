@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.memory import GIB
+from cost_models.terms import seconds
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import is_shard
@@ -217,7 +218,7 @@ def finalize(pb: Problem, program: Sequence[Instruction]) -> tuple[Instruction, 
     out = []
     for ins in program:
         term = instruction_term(pb, ins, x_layouts)
-        update: dict = {"predicted_s": term.time.at(term.shares) if term else 0.0}
+        update: dict = {"predicted_s": seconds(term.time) if term else 0.0}
         if ins.kind in COLLECTIVES and ins.phase == "forward":
             step = pb.collective(ins.tensor, ins.kind, ins.src, ins.layout, ins.axis)
             update["alternatives"] = dict(step.alternatives)

@@ -5,18 +5,30 @@ Variables
                       one class of interchangeable devices (cost_models.device_classes)
                       share one variable, and i below ranges over classes with n_i devices
     t_j >= 0          epigraph of instruction group j (instructions with equal cost forms)
+    u_o >= 0          epigraph of overlap o (an Overlap of cost_models.terms)
+    v_f >= 0          epigraph of a form f nested in a Series inside an Overlap
 
-Every instruction's time is `max_i (a_ji + b_ji s_i)` (cost_models.linear_cost) in shares s
-that are r_i itself (a split over all devices), or the sum of r over device i's node
-(`node`, a split across nodes only), or a constant at the current ratios (a split inside
-nodes only, `fixed`). Identical forms (the same op in every layer) form one group j with
-multiplicity m_j; forms without a ratio dependence are constants K. The LP is
+An instruction's time is composed of forms `max_{i in D_f} (a_fi + b_fi s_i)`
+(cost_models.terms), in shares s that are r_i itself (FLAT, a split over all devices), or the
+sum of r over device i's node (NODE, a split across nodes only), or a constant at the current
+ratios (FIXED, a split inside nodes only; NONE, no split). Series add up; an Overlap is the max
+of its parts. Identical top-level forms (the same op in every layer) form one group j with
+multiplicity m_j, identical Overlaps one o with multiplicity m_o; forms without a ratio
+dependence are constants K. The LP is
 
-    minimise    sum_j m_j t_j + K
+    minimise    sum_j m_j t_j + sum_o m_o u_o + K
     subject to  sum_i n_i r_i = 1                                          (simplex)
-                t_j >= a_ji + b_ji s_i(r)       for all compute groups j, devices i
-                t_j >= a_ji + b_ji s_i(r)       for all communication groups j, devices i
+                t_j >= a_ji + b_ji s_i(r)       for all compute groups j, i in D_j
+                t_j >= a_ji + b_ji s_i(r)       for all communication groups j, i in D_j
+                u_o >= a_fi + b_fi s_i(r)       for every form f among o's parts, i in D_f
+                u_o >= E(p)                     for every other part p of o
                 sum_p f_pi + g_pi s_pi(r) <= capacity_i   for all devices i (memory)
+
+where E(Series) = sum of E(parts), E(Overlap) = its u, E(form) = its v_f (with
+v_f >= a_fi + b_fi s_i(r) for i in D_f), and a constant form its seconds. Every max becomes one
+epigraph variable with one constraint per form and device: exact, since the objective is a
+positive sum of maxima and sums of affine functions and presses each variable onto its
+tightest constraint.
 
 with the memory forms f + g r of parameters, gradients, optimizer state and activations
 (cost_models.memory). Its optimum equals the program's predicted step time minimised over
@@ -35,9 +47,8 @@ import pulp
 
 from cost_models.device_classes import DeviceClasses
 from cost_models.memory import GIB
-from planner.evaluate import Term
-
-Form = tuple[tuple[float, ...], tuple[float, ...]]
+from cost_models.terms import Cost, Form, Overlap, Series, ShareKind, Term, seconds
+from instruction_set.kinds import Category
 
 
 class MemoryInfeasible(ValueError):
@@ -59,24 +70,45 @@ def _solver() -> tuple[pulp.LpSolver, str]:
     return pulp.PULP_CBC_CMD(msg=False), "CBC"
 
 
-def group_forms(terms: Sequence[Term], compute: bool) -> tuple[Counter, float]:
-    """Group ratio-dependent forms of one kind by (lp_kind, a, b); sum the constant ones."""
+def top_level(terms: Sequence[Term]) -> tuple[list[Form], Counter]:
+    """The terms' forms outside any Overlap (a Series adds its parts), in order, and their
+    Overlaps with multiplicity."""
+    leaves: list[Form] = []
+    overlaps: Counter = Counter()
+
+    def add(c: Cost) -> None:
+        if isinstance(c, Form):
+            leaves.append(c)
+        elif isinstance(c, Series):
+            for p in c.parts:
+                add(p)
+        else:
+            overlaps[c] += 1
+
+    for t in terms:
+        add(t.time)
+    return leaves, overlaps
+
+
+def group_forms(leaves: Sequence[Form], compute: bool) -> tuple[Counter, float]:
+    """Group ratio-dependent forms (compute, or not compute) by (kind, a, b, devices); sum the
+    constant ones."""
     forms: Counter = Counter()
     constant = 0.0
-    for t in terms:
-        if t.is_compute != compute:
+    for f in leaves:
+        if (f.category is Category.COMPUTE) != compute:
             continue
-        if t.lp_kind in ("none", "fixed") or t.time.is_constant:
-            constant += t.time.at(t.shares)
+        if f.is_constant:
+            constant += seconds(f)
         else:
-            forms[(t.lp_kind, t.time.a, t.time.b)] += 1
+            forms[(f.shares.kind, f.cost.a, f.cost.b, f.devices)] += 1
     return forms, constant
 
 
 def share_exprs(r: list[pulp.LpVariable], classes: DeviceClasses) -> dict[str, list]:
-    """s_i(r) per lp kind: r_i, or the sum of r over class i's node (its composition)."""
+    """s_i(r) per share kind: r_i, or the sum of r over class i's node (its composition)."""
     node = {t: pulp.lpSum(count * r[c] for c, count in t) for t in classes.node_types}
-    return {"flat": list(r), "node": [node[t] for t in classes.node_of]}
+    return {ShareKind.FLAT: list(r), ShareKind.NODE: [node[t] for t in classes.node_of]}
 
 
 def add_simplex(prob: pulp.LpProblem, r: list[pulp.LpVariable], classes: DeviceClasses) -> None:
@@ -88,31 +120,71 @@ def _entries(n: int, nodes: Sequence[int] | None, classes: DeviceClasses | None)
     return classes if classes is not None else DeviceClasses.of_nodes(list(nodes) if nodes is not None else [0] * n)
 
 
+def _bound(prob: pulp.LpProblem, t: pulp.LpVariable, s: dict[str, list], kind: ShareKind,
+           a: Sequence[float], b: Sequence[float], devices: Sequence[int] | None, name: str) -> None:
+    """t >= a_i + b_i s_i(r) for each entry i of `devices` (None: all)."""
+    for i in range(len(a)) if devices is None else devices:
+        prob += t >= a[i] + b[i] * s[kind][i], f"{name}_dev{i}"
+
+
 def add_epigraphs(prob: pulp.LpProblem, s: dict[str, list], forms: Counter,
                   name: str) -> pulp.LpAffineExpression:
     """One epigraph variable per form; returns the weighted sum for the objective."""
     objective = []
-    for j, ((kind, a, b), count) in enumerate(forms.items()):
+    for j, ((kind, a, b, devices), count) in enumerate(forms.items()):
         t = prob.add_variable(f"{name}_{j}", lowBound=0)
-        for i, (ai, bi) in enumerate(zip(a, b)):
-            prob += t >= ai + bi * s[kind][i], f"{name}_{j}_dev{i}"
+        _bound(prob, t, s, kind, a, b, devices, f"{name}_{j}")
         objective.append(count * t)
     return pulp.lpSum(objective)
+
+
+class _Lowering:
+    """Epigraphs of Overlaps and of the forms nested in them (see the module docstring)."""
+
+    def __init__(self, prob: pulp.LpProblem, s: dict[str, list]) -> None:
+        self.prob, self.s, self.count = prob, s, 0
+
+    def _variable(self, prefix: str) -> tuple[pulp.LpVariable, str]:
+        name = f"{prefix}_{self.count}"
+        self.count += 1
+        return self.prob.add_variable(name, lowBound=0), name
+
+    def expr(self, c: Cost) -> pulp.LpAffineExpression | float:
+        """E(c): an affine expression bounding c from above, tight at the optimum."""
+        if isinstance(c, Series):
+            return pulp.lpSum(self.expr(p) for p in c.parts)
+        if isinstance(c, Form) and c.is_constant:
+            return seconds(c)
+        v, name = self._variable("overlap" if isinstance(c, Overlap) else "form")
+        for k, p in enumerate(c.parts if isinstance(c, Overlap) else (c,)):
+            if isinstance(p, Form) and not p.is_constant:
+                _bound(self.prob, v, self.s, p.shares.kind, p.cost.a, p.cost.b, p.devices, f"{name}_{k}")
+            else:
+                self.prob += v >= self.expr(p), f"{name}_{k}"
+        return v
+
+
+def add_overlaps(prob: pulp.LpProblem, s: dict[str, list], overlaps: Counter) -> pulp.LpAffineExpression:
+    """One epigraph variable per distinct Overlap; returns the weighted sum for the objective."""
+    lowering = _Lowering(prob, s)
+    return pulp.lpSum(count * lowering.expr(o) for o, count in overlaps.items())
 
 
 def memory_forms(terms: Sequence[Term], n: int) -> tuple[list[float], dict[str, list[float]]]:
     """Per device: constant bytes, and bytes per unit share for each ratio-dependent kind."""
     fixed = [0.0] * n
-    per_share = {"flat": [0.0] * n, "node": [0.0] * n}
+    per_share = {ShareKind.FLAT: [0.0] * n, ShareKind.NODE: [0.0] * n}
     for t in terms:
         if t.memory is None:
             continue
+        at = t.memory_at
+        assert at is not None, "a term with memory says where it is evaluated"
         for i in range(n):
             fixed[i] += t.memory.fixed[i]
-            if t.lp_kind in per_share:
-                per_share[t.lp_kind][i] += t.memory.per_share[i]
+            if at.kind in per_share:
+                per_share[at.kind][i] += t.memory.per_share[i]
             else:
-                fixed[i] += t.memory.per_share[i] * t.shares[i]
+                fixed[i] += t.memory.per_share[i] * at.values[i]
     return fixed, per_share
 
 
@@ -139,10 +211,13 @@ def solve_ratios(terms: Sequence[Term], capacities_gib: Sequence[float], *,
     prob = pulp.LpProblem("sharding_ratios", pulp.LpMinimize)
     r = [prob.add_variable(f"r_{i}", lowBound=min_ratio, upBound=1) for i in range(n)]
     s = share_exprs(r, entries)
-    compute_forms, compute_const = group_forms(terms, compute=True)
-    comm_forms, comm_const = group_forms(terms, compute=False)
+    leaves, overlaps = top_level(terms)
+    compute_forms, compute_const = group_forms(leaves, compute=True)
+    comm_forms, comm_const = group_forms(leaves, compute=False)
     add_simplex(prob, r, entries)
     objective = add_epigraphs(prob, s, compute_forms, "compute") + add_epigraphs(prob, s, comm_forms, "comm")
+    if overlaps:
+        objective += add_overlaps(prob, s, overlaps)
     prob += objective + compute_const + comm_const
     add_memory(prob, s, terms, capacities_gib)
     solver, name = _solver()

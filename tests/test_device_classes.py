@@ -10,10 +10,11 @@ import pytest
 from cost_models.device_classes import DeviceClasses
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import MemoryTerm
+from cost_models.terms import Form, Shares, Term
 import hetsynth
 from instruction_set.cluster import load_cluster
 from planner import baselines
-from planner.evaluate import Term, program_terms
+from planner.evaluate import program_terms
 from planner.problem import Problem
 from planner.ratios import solve_ratios
 
@@ -30,7 +31,10 @@ def problem() -> tuple[Problem, hetsynth.Plan]:
 def _per_device(t: Term, classes: DeviceClasses) -> Term:
     x = classes.expand
     memory = None if t.memory is None else MemoryTerm(x(t.memory.fixed), x(t.memory.per_share))
-    return Term(LinearCost(x(t.time.a), x(t.time.b)), x(t.shares), t.lp_kind, t.is_compute, memory)
+    f = t.time
+    assert isinstance(f, Form) and f.devices is None  # today's terms are single forms
+    return Term.leaf(LinearCost(x(f.cost.a), x(f.cost.b)), Shares(x(f.shares.values), f.shares.kind), f.category,
+                     memory)
 
 
 def test_a_class_holds_devices_with_equal_shares(problem: tuple[Problem, hetsynth.Plan]) -> None:
