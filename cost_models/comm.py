@@ -52,36 +52,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cost_models.device_classes import DeviceClasses, NodeType
 from cost_models.linear_cost import LinearCost
 from instruction_set.calibration import AlphaBeta
 from instruction_set.cluster import ClusterSpec
+from instruction_set.kinds import Category, Implementations, kinds
+from instruction_set.kinds import kind as instruction_kind
 from instruction_set.mesh import Mesh
 from instruction_set.program import GRAD_BUCKET_BYTES
 
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "all_gather": ("padded", "grouped", "ring"),
-    "reduce_scatter": ("padded", "grouped", "ring"),
-    "all_reduce": ("ring", "hierarchical"),
-    "all_reduce_max": ("ring",),
-    "all_to_all": ("native",),
-    "slice": ("local",),
-    "partial": ("local",),
-}
-
-ADJOINT: dict[str, str | None] = {
-    "all_gather": "reduce_scatter",
-    "reduce_scatter": "all_gather",
-    "all_reduce": "all_reduce",
-    "all_to_all": "all_to_all",
-    "slice": None,            # backward zero-pads: local
-    "partial": None,          # backward masks: local
-    "all_reduce_max": None,   # only for tensors without gradient
-}
-
-LOCAL = frozenset({"slice", "partial"})
+Formula = Callable[["CommModel", str, str, float, str, "tuple[float, ...] | None"], LinearCost]
+FORMULAS: Implementations[Formula] = Implementations("communication cost")
 
 
 @dataclass(frozen=True)
@@ -261,16 +244,23 @@ class CommModel:
 
     def _cost(self, kind: str, variant: str, nbytes: float, axis: str,
               at: tuple[float, ...] | None) -> LinearCost:
+        if self.group_size(axis) == 1 or instruction_kind(kind).category is Category.LOCAL:
+            return LinearCost.zero(self.width)
+        return FORMULAS.get(kind, variant=variant)(self, kind, variant, nbytes, axis, at)
+
+    def alpha_beta_cost(self, kind: str, variant: str, nbytes: float, axis: str,
+                        at: tuple[float, ...] | None) -> LinearCost:
+        """The alpha-beta formula of the module docstring, on this cluster's links."""
         n, g = self.width, self.group_size(axis)
-        if g == 1 or kind in LOCAL:
-            return LinearCost.zero(n)
-        if kind == "all_reduce" and variant == "hierarchical":
-            return LinearCost.constant(self._hierarchical_allreduce(nbytes, axis), n)
         alpha, beta = self.alpha_beta(kind, variant, axis)
         across = self.link_class(axis) == "inter" and axis == "all"
         a, b = collective_terms(kind, variant, g, alpha, nbytes / beta, at or (1.0 / g,) * n,
                                 self.ring if across else None)
         return LinearCost(a, b)
+
+    def hierarchical_cost(self, kind: str, variant: str, nbytes: float, axis: str,
+                          at: tuple[float, ...] | None) -> LinearCost:
+        return LinearCost.constant(self._hierarchical_allreduce(nbytes, axis), self.width)
 
     @property
     def hierarchical(self) -> bool:
@@ -297,7 +287,7 @@ class CommModel:
 
     def gradient_variant(self, nbytes: float, axis: str = "all") -> str:
         """The cheaper all-reduce variant for gradient buckets along `axis`."""
-        variants = VARIANTS["all_reduce"] if axis == "all" and self.hierarchical else ("ring",)
+        variants = instruction_kind("all_reduce").variants if axis == "all" and self.hierarchical else ("ring",)
         return min(variants, key=lambda v: self.bucketed(v, nbytes, axis).a[0])
 
     def bucketed(self, variant: str, nbytes: float, axis: str = "all") -> LinearCost:
@@ -312,12 +302,16 @@ class CommModel:
                      axis: str = "all", at: Sequence[float] | None = None) -> LinearCost:
         """Forward cost plus, when a gradient flows, the adjoint collective's cost (memoised
         with the costs)."""
-        back = ADJOINT.get(kind) if grad else None
+        back = instruction_kind(kind).adjoint_variant(variant) if grad else None
         if back is None:
             return self.cost(kind, variant, nbytes, axis, at)
         key = ("adjoint", kind, variant, nbytes, axis, tuple(at) if at else None)
         if key not in self._costs:
-            back_variant = variant if variant in VARIANTS[back] else VARIANTS[back][0]
             self._costs[key] = (self.cost(kind, variant, nbytes, axis, at)
-                                + self.cost(back, back_variant, nbytes, axis, at))
+                                + self.cost(back[0].name, back[1], nbytes, axis, at))
         return self._costs[key]
+
+
+for _kind in kinds(Category.COMMUNICATION):
+    FORMULAS.register(_kind.name, CommModel.alpha_beta_cost)
+FORMULAS.register("all_reduce", CommModel.hierarchical_cost, variant="hierarchical")

@@ -1,18 +1,39 @@
-"""Instruction kinds: what sort of work an instruction of the distributed program is.
+"""Instruction kinds of the distributed program: one registry, one entry per kind.
 
-`Category` is shared by the instruction set, the cost model (a cost term's forms carry one,
-cost_models.terms) and the runtime:
+An entry says, for one kind, its Hoare-triple pattern along one mesh axis (the placement it
+reads and the one it makes), its adjoint (the kind its backward pass runs), its implementation
+variants (the first is the default), the phases it appears in, the mesh axes it may run along,
+and what sort of work it is (`Category`):
 
   storage        a graph input placed in its storage layout (param, input, buffer)
   compute        an op on local shards
   communication  a collective (later point-to-point) along a mesh axis
   local          a layout change without communication (slice, partial)
   fused          communication and compute in one instruction (sfb; later ag_matmul, matmul_rs)
+
+    kind            category       pattern      variants                adjoint
+    all_gather      communication  S(d) -> R    padded, grouped, ring   reduce_scatter
+    reduce_scatter  communication  P -> S(d)    padded, grouped, ring   all_gather
+    all_reduce      communication  P -> R       ring, hierarchical      all_reduce (backward: gradient sync)
+    all_reduce_max  communication  Pmax -> R    ring                    - (no gradient; axis all only)
+    all_to_all      communication  S(i) -> S(j) native                  all_to_all
+    slice           local          R -> S(d)    local                   - (backward zero-pads, local)
+    partial         local          R -> P       local                   - (backward masks, local)
+    sfb             fused          backward of a linear: dW rebuilt from all-gathered factors
+
+Layers register their implementation of a kind in an `Implementations` registry (the cost
+model its cost term, the runtime its emitter and conversion), the way rules register for ops;
+asking one for a kind it lacks raises `MissingImplementation` naming the kind and what is
+registered. A new kind is one `register_kind` plus those registrations.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Callable, Generic, Iterable, TypeVar
+
+F = TypeVar("F")
 
 
 class Category(StrEnum):
@@ -21,3 +42,150 @@ class Category(StrEnum):
     COMMUNICATION = "communication"
     LOCAL = "local"
     FUSED = "fused"
+
+
+class Phase(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+AXES = frozenset({"all", "inner", "outer"})
+
+
+@dataclass(frozen=True)
+class InstructionKind:
+    """One kind of instruction: its pattern along one mesh axis (`source` -> `target`
+    placement kinds "R", "S", "P", "Pmax"), backward, variants, phases, axes and category."""
+
+    name: str
+    category: Category
+    source: str | None = None
+    target: str | None = None
+    variants: tuple[str, ...] = ()
+    adjoint: str | None = None
+    phases: frozenset[Phase] = frozenset({Phase.FORWARD})
+    axes: frozenset[str] = AXES
+    gradient: bool | None = None  # False: only for tensors without gradient
+    doc: str = ""
+
+    def adjoint_variant(self, variant: str) -> tuple["InstructionKind", str] | None:
+        """(adjoint kind, its variant): the same variant where the adjoint has it, else its first."""
+        if self.adjoint is None:
+            return None
+        back = kind(self.adjoint)
+        return back, variant if variant in back.variants else back.variants[0]
+
+
+class UnknownKind(ValueError):
+    """An instruction kind that is not registered; the message lists the registered ones."""
+
+
+_KINDS: dict[str, InstructionKind] = {}
+_CONVERSIONS: dict[tuple[str, str], InstructionKind] = {}
+
+
+def register_kind(k: InstructionKind) -> InstructionKind:
+    """Add a kind; its name, and the pattern of a forward layout change, must be new."""
+    assert k.name not in _KINDS, f"instruction kind {k.name!r} registered twice"
+    _KINDS[k.name] = k
+    if k.category in (Category.COMMUNICATION, Category.LOCAL) and k.source and k.target:
+        assert (k.source, k.target) not in _CONVERSIONS, f"two kinds turn {k.source} into {k.target}"
+        _CONVERSIONS[(k.source, k.target)] = k
+    return k
+
+
+def kind(name: str) -> InstructionKind:
+    if name not in _KINDS:
+        raise UnknownKind(f"unknown instruction kind {name!r}; registered kinds: {', '.join(sorted(_KINDS))}")
+    return _KINDS[name]
+
+
+def known_kind(name: str) -> str:
+    """`name` if it is a registered kind (the plan's validator); raises UnknownKind."""
+    return kind(name).name
+
+
+def kinds(category: Category | None = None) -> tuple[InstructionKind, ...]:
+    return tuple(k for k in _KINDS.values() if category is None or k.category is category)
+
+
+def placement_kind(placement: str) -> str:
+    """"R", "S", "P" or "Pmax" of a one-axis placement ("S1" is "S")."""
+    return "S" if placement.startswith("S") else placement
+
+
+def conversion_kind(source: str, target: str) -> InstructionKind | None:
+    """The forward layout change turning placement kind `source` into `target` along one axis."""
+    return _CONVERSIONS.get((source, target))
+
+
+class MissingImplementation(ValueError):
+    """A layer has no implementation of an instruction kind (in this phase or variant)."""
+
+
+class Implementations(Generic[F]):
+    """One layer's implementations of instruction kinds, keyed (kind, phase, variant); variant
+    None serves every variant of the kind."""
+
+    def __init__(self, layer: str) -> None:
+        self.layer = layer
+        self._impl: dict[tuple[str, Phase, str | None], F] = {}
+
+    def register(self, name: str, fn: F, *, phase: Phase = Phase.FORWARD, variant: str | None = None) -> F:
+        k = kind(name)
+        assert phase in k.phases, f"{name} has no {phase} phase"
+        assert variant is None or variant in k.variants, f"{name} has no variant {variant!r}"
+        assert (name, phase, variant) not in self._impl, f"{self.layer} for {name} ({phase}) registered twice"
+        self._impl[(name, phase, variant)] = fn
+        return fn
+
+    def implements(self, *names: str, phase: Phase = Phase.FORWARD,
+                   variant: str | None = None) -> Callable[[F], F]:
+        def add(fn: F) -> F:
+            for name in names:
+                self.register(name, fn, phase=phase, variant=variant)
+            return fn
+        return add
+
+    def get(self, name: str, *, phase: str = Phase.FORWARD, variant: str | None = None) -> F:
+        for key in ((name, Phase(phase), variant), (name, Phase(phase), None)):
+            if key in self._impl:
+                return self._impl[key]
+        what = f"{name!r} ({phase}{', variant ' + variant if variant else ''})"
+        raise MissingImplementation(f"no {self.layer} for instruction kind {what}; {self.layer} exists "
+                                    f"for: {self.registered()}")
+
+    def registered(self) -> str:
+        return ", ".join(f"{n} ({p}{', ' + v if v else ''})" for n, p, v in sorted(self._impl, key=str))
+
+    def missing(self, keys: Iterable[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+        """The (kind, phase, variant) keys without an implementation, each once, in order."""
+        out: list[tuple[str, str, str | None]] = []
+        for name, phase, variant in keys:
+            found = (name, Phase(phase), variant) in self._impl or (name, Phase(phase), None) in self._impl
+            if not found and (name, phase, variant) not in out:
+                out.append((name, phase, variant))
+        return out
+
+
+GATHER_VARIANTS = ("padded", "grouped", "ring")
+BOTH = frozenset({Phase.FORWARD, Phase.BACKWARD})
+
+for _k in (
+    InstructionKind("param", Category.STORAGE, doc="a parameter's local slice in its storage layout"),
+    InstructionKind("input", Category.STORAGE, doc="a rank's rows of the batch"),
+    InstructionKind("buffer", Category.STORAGE, doc="a buffer in its storage layout"),
+    InstructionKind("compute", Category.COMPUTE, doc="the op of `node` on local shards (layouts from its rule)"),
+    InstructionKind("sfb", Category.FUSED, variants=GATHER_VARIANTS, phases=frozenset({Phase.BACKWARD}),
+                    doc="backward of a linear: the replicated weight's gradient rebuilt from all-gathered factors"),
+    InstructionKind("all_gather", Category.COMMUNICATION, "S", "R", GATHER_VARIANTS, "reduce_scatter"),
+    InstructionKind("reduce_scatter", Category.COMMUNICATION, "P", "S", GATHER_VARIANTS, "all_gather"),
+    InstructionKind("all_reduce", Category.COMMUNICATION, "P", "R", ("ring", "hierarchical"), "all_reduce", BOTH,
+                    doc="backward phase: gradient sync of a replicated parameter, in buckets"),
+    InstructionKind("all_reduce_max", Category.COMMUNICATION, "Pmax", "R", ("ring",), axes=frozenset({"all"}),
+                    gradient=False),
+    InstructionKind("all_to_all", Category.COMMUNICATION, "S", "S", ("native",), "all_to_all"),
+    InstructionKind("slice", Category.LOCAL, "R", "S", ("local",), doc="backward zero-pads (local)"),
+    InstructionKind("partial", Category.LOCAL, "R", "P", ("local",), doc="backward masks (local)"),
+):
+    register_kind(_k)

@@ -1,16 +1,11 @@
 """Instructions of a distributed program (HAP's distributed instruction set).
 
-Each instruction makes one tensor available in one layout on every rank:
-
-  param / input / buffer   a graph input in its storage layout (a param's local slice, a
-                           rank's rows of the batch)
-  compute                  the op of `node` on local shards, inputs in the layouts `inputs`
-                           (one per Node.inputs entry), with the rule's local rewrite
-  all_gather      S(d) -> R      reduce_scatter  P -> S(d)     all_reduce  P -> R
-  all_to_all      S(i) -> S(j)   slice           R -> S(d)     partial     R -> P
-  all_reduce_max  Pmax -> R
-  sfb             backward of the linear `node` rebuilds the full gradient of the replicated
-                  weight `tensor` from all-gathered factors (sufficient-factor broadcasting)
+Each instruction makes one tensor available in one layout on every rank. Its `kind` is an
+entry of the registry of instruction kinds (instruction_set.kinds: pattern, adjoint,
+variants, category); a plan naming an unregistered kind does not load. A compute instruction
+runs the op of `node` on local shards, inputs in the layouts `inputs` (one per Node.inputs
+entry), with the rule's local rewrite; sfb (backward of the linear `node`) rebuilds the full
+gradient of the replicated weight `tensor` from all-gathered factors.
 
 Gradient synchronisation of a replicated parameter is an `all_reduce` with
 `phase == "backward"` on the parameter (gradients are all-reduced in buckets of 25 MiB,
@@ -23,16 +18,16 @@ the planner considered to its predicted seconds.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-Kind = Literal[
-    "param", "input", "buffer", "compute", "sfb", "all_gather", "reduce_scatter", "all_reduce",
-    "all_reduce_max", "all_to_all", "slice", "partial",
-]
+from instruction_set.kinds import Category, known_kind, kinds
+from instruction_set.kinds import kind as instruction_kind
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_max", "all_to_all")
+Kind = Annotated[str, AfterValidator(known_kind)]  # a registered kind (instruction_set.kinds)
+
+COLLECTIVES = tuple(k.name for k in kinds(Category.COMMUNICATION))
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb): cost and runtime
 
@@ -54,9 +49,10 @@ class Instruction(BaseModel):
     alternatives: dict[str, float] = Field(default_factory=dict)
 
     def describe(self) -> str:
-        if self.kind == "compute":
+        category = instruction_kind(self.kind).category
+        if category is Category.COMPUTE:
             return f"{self.tensor}:{self.layout} = {self.node}({', '.join(self.inputs)})"
-        if self.kind in ("param", "input", "buffer"):
+        if category is Category.STORAGE:
             return f"{self.kind} {self.tensor}:{self.layout}"
         arrow = f"{self.src}->{self.layout}" if self.src else self.layout
         variant = f" [{self.variant}]" if self.variant and self.variant != "local" else ""

@@ -17,15 +17,15 @@ instruction is one form (`Term.leaf`). The same terms give
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import GIB, activation_memory, param_memory
 from cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
-from instruction_set.kinds import Category
+from instruction_set.kinds import Category, Implementations, Phase
 from instruction_set.layouts import axes, is_shard, is_two_level
 from instruction_set.plan import DevicePrediction, Prediction
-from instruction_set.program import Instruction
+from instruction_set.program import COLLECTIVES, Instruction
 from planner.problem import Problem, rule_splits
 from planner.sfb import sfb_cost
 
@@ -48,7 +48,12 @@ def _rule_index(pb: Problem, ins: Instruction) -> int:
     raise ValueError(f"instruction {ins.describe()} matches no rule of {ins.node}")
 
 
-def _compute_term(pb: Problem, ins: Instruction) -> Term:
+TermFn = Callable[[Problem, Instruction, dict[str, str]], "Term | None"]
+TERMS: Implementations[TermFn] = Implementations("cost term")
+
+
+@TERMS.implements("compute")
+def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
     node = pb.graph.node(ins.node)
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
@@ -57,14 +62,16 @@ def _compute_term(pb: Problem, ins: Instruction) -> Term:
                      activation_memory(node, rule_splits(rule), pb.width))
 
 
-def _param_term(pb: Problem, ins: Instruction) -> Term:
+@TERMS.implements("param")
+def _param_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
     mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.width)
     update = pb.update_linear(ins.tensor, ins.layout)
     return Term.leaf(update, Shares(pb.shares(ins.tensor, ins.layout), share_kind([ins.layout])),
                      Category.COMPUTE, mem)
 
 
-def _sync_term(pb: Problem, ins: Instruction) -> Term:
+@TERMS.implements("all_reduce", phase=Phase.BACKWARD)
+def _sync_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
     """Backward gradient all-reduce of a replicated (or node-replicated) parameter."""
     nbytes = pb.meta(ins.tensor).nbytes
     if ins.axis == "outer":
@@ -73,30 +80,32 @@ def _sync_term(pb: Problem, ins: Instruction) -> Term:
     return Term.leaf(cost, Shares((1.0,) * pb.width, ShareKind.NONE), Category.COMMUNICATION)
 
 
-def _collective_term(pb: Problem, ins: Instruction) -> Term:
+@TERMS.implements(*COLLECTIVES)
+def _collective_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
     shares, nbytes = pb.axis_shares(ins.tensor, ins.src, ins.layout, ins.axis)
     cost = pb.comm.with_adjoint(ins.kind, ins.variant, nbytes, pb.requires_grad(ins.tensor), ins.axis, shares)
     kind = {"all": share_kind([ins.src, ins.layout]), "inner": ShareKind.FIXED, "outer": ShareKind.NODE}[ins.axis]
     return Term.leaf(cost, Shares(shares, kind), Category.COMMUNICATION)
 
 
+@TERMS.implements("sfb", phase=Phase.BACKWARD)
+def _sfb_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
+    """The factors' all-gathers (planner.sfb), counted as communication."""
+    x = pb.graph.node(ins.node).inputs[0]
+    shares = pb.shares(x, x_layouts[ins.node])
+    cost = sfb_cost(pb, ins.tensor, ins.node, ins.variant, shares)
+    return Term.leaf(cost, Shares(shares, ShareKind.FLAT), Category.COMMUNICATION)
+
+
+@TERMS.implements("input", "buffer", "slice", "partial")
+def _free(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> None:
+    """No time: the batch and buffers are placed before the step; slice and partial are local."""
+    return None
+
+
 def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term | None:
-    """The Term of one instruction (None for free ones)."""
-    if ins.kind == "compute":
-        return _compute_term(pb, ins)
-    if ins.kind == "param":
-        return _param_term(pb, ins)
-    if ins.kind == "sfb":
-        x = pb.graph.node(ins.node).inputs[0]
-        layout = x_layouts[ins.node]
-        shares = pb.shares(x, layout)
-        cost = sfb_cost(pb, ins.tensor, ins.node, ins.variant, shares)
-        return Term.leaf(cost, Shares(shares, ShareKind.FLAT), Category.COMMUNICATION)
-    if ins.kind == "all_reduce" and ins.phase == "backward":
-        return _sync_term(pb, ins)
-    if ins.kind in ("input", "buffer", "slice", "partial"):
-        return None
-    return _collective_term(pb, ins)
+    """The Term of one instruction (None for free ones), by its kind's registered cost term."""
+    return TERMS.get(ins.kind, phase=ins.phase)(pb, ins, x_layouts)
 
 
 STEP_SCALARS = 2  # all-reduces of one scalar per step: the global gradient norm, the loss

@@ -27,14 +27,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
-from cost_models.comm import VARIANTS, CommModel, comm_mesh
+from cost_models.comm import CommModel, comm_mesh
 from cost_models.compute import Reference, compute_cost, update_cost
 from cost_models.device_classes import DeviceClasses, device_classes
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
 from instruction_set.cluster import ClusterSpec, DeviceKind
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
-from instruction_set.layouts import (P, PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
+from instruction_set.kinds import Category, conversion_kind, placement_kind
+from instruction_set.kinds import kind as instruction_kind
+from instruction_set.layouts import (PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
                                      shard_dim)
 from instruction_set.rules import Rule, product_rule, rules_for
 from instruction_set.shards import DimClasses, ShardLengths
@@ -274,7 +276,7 @@ class Problem:
         if key not in memo:
             shares, nbytes = self.axis_shares(tensor, src, dst, axis)
             grad = self.requires_grad(tensor)
-            allowed = self.restrictions.variants.get(kind, VARIANTS[kind])
+            allowed = self.restrictions.variants.get(kind, instruction_kind(kind).variants)
             options = [(v, self.comm.with_adjoint(kind, v, nbytes, grad, axis, shares).at(shares)) for v in allowed]
             options = [o for o in options if math.isfinite(o[1])] or options  # drop inapplicable variants
             variant, cost = min(options, key=lambda o: o[1])
@@ -310,19 +312,14 @@ class Problem:
         return memo[tensor]
 
     def _axis_step(self, tensor: str, a: Layout, b: Layout, src: Layout, dst: Layout, axis: str) -> Step | None:
-        """The instruction turning placement a into b along one axis (src -> dst overall)."""
-        if a == R and is_shard(b):
-            return Step("slice", "local", src, dst, 0.0, axis=axis)
-        if a == R and b == P:
-            return Step("partial", "local", src, dst, 0.0, axis=axis)
-        kinds = {(True, "R"): "all_gather", (True, "S"): "all_to_all", (False, "R"): "all_reduce",
-                 (False, "S"): "reduce_scatter"}
-        if is_shard(a) or a == P:
-            kind = kinds.get((is_shard(a), b[0]))
-            return self.collective(tensor, kind, src, dst, axis) if kind else None
-        if a == PMAX and b == R and axis == "all" and not self.requires_grad(tensor):
-            return self.collective(tensor, "all_reduce_max", src, dst, axis)
-        return None
+        """The instruction turning placement a into b along one axis (src -> dst overall): the
+        registered layout change of that pattern (instruction_set.kinds), where it may run."""
+        k = conversion_kind(placement_kind(a), placement_kind(b))
+        if k is None or axis not in k.axes or (k.gradient is False and self.requires_grad(tensor)):
+            return None
+        if k.category is Category.LOCAL:
+            return Step(k.name, k.variants[0], src, dst, 0.0, axis=axis)
+        return self.collective(tensor, k.name, src, dst, axis)
 
     def _one(self, tensor: str, src: Layout, dst: Layout) -> Step | None:
         """A single instruction from src to dst, if one exists."""

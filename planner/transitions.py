@@ -21,8 +21,8 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import product
 
-from cost_models.comm import VARIANTS
 from instruction_set.graph import Node
+from instruction_set.kinds import kind as instruction_kind
 from instruction_set.layouts import R, S, Layout, is_shard, is_two_level, join, shard_dim
 from instruction_set.program import Instruction
 from instruction_set.rules import Rule
@@ -191,7 +191,7 @@ def _sfb_cost(pb: Problem, param: str, consumer: Node, rule: Rule) -> tuple[floa
     if not sfb_applicable(pb, param, consumer, rule):
         return None
     shares = pb.shares(consumer.inputs[0], rule.inputs[0])
-    variants = pb.restrictions.variants.get("all_gather", VARIANTS["all_gather"])
+    variants = pb.restrictions.variants.get("all_gather", instruction_kind("all_gather").variants)
     return min((sfb_cost(pb, param, consumer.name, v, shares).at(shares), v) for v in variants)
 
 

@@ -15,6 +15,9 @@ instructions are emitted in order:
                    for the backward)
 
 The program returns `(loss, *new buffer values)`, in the order of `RankProgram.updates`.
+Each kind's emitter is registered in EMITTERS (instruction_set.kinds); a plan with a kind that
+has none is refused before anything is emitted, naming the kind and what is registered.
+
 Parameters are nn.Parameters of the GraphModule, so its `parameters()` are exactly the local
 parameters to optimise; `RankProgram.params` tells how each synchronises its gradient.
 """
@@ -29,10 +32,11 @@ from torch import fx, nn
 
 from instruction_set.graph import Node
 from instruction_set.interpret import constant
+from instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
 from instruction_set.layouts import is_shard
 from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
 from instruction_set.plan import Plan
-from instruction_set.program import COLLECTIVES, Instruction
+from instruction_set.program import Instruction
 from instruction_set.rules.state import BUFFER_UPDATE
 from instruction_set.shards import rank_offset
 from runtime.conversions import make_conversion, span
@@ -173,18 +177,35 @@ class _Emitter:
         self.env[(ins.tensor, ins.layout)] = self.graph.call_module(name, (self.env[(ins.tensor, ins.src)],))
 
     def emit(self) -> RankProgram:
+        missing = EMITTERS.missing((i.kind, i.phase, None) for i in self.plan.instructions)
+        if missing:
+            raise MissingImplementation(
+                "cannot run this plan: no codegen for instruction kind " + ", ".join(
+                    f"{k!r} ({p})" for k, p, _ in missing) + f"; codegen exists for: {EMITTERS.registered()}")
         for ins in self.plan.instructions:
-            if ins.kind in ("param", "buffer"):
-                self.storage(ins)
-            elif ins.kind == "input":
-                self.data_input(ins)
-            elif ins.kind == "compute":
-                self.compute(ins)
-            elif ins.phase == "forward" and (ins.kind in COLLECTIVES or ins.kind in ("slice", "partial")):
-                self.conversion(ins)
+            EMITTERS.get(ins.kind, phase=ins.phase)(self, ins)
         self.graph.output((self.env[(self.plan.graph.loss, "P")], *[v for _, v in self.updates]))
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
         return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates])
+
+
+def _built_with_its_linear(emitter: _Emitter, ins: Instruction) -> None:
+    """sfb (backward): nothing to emit; `compute` builds the linear as an SFBLinearModule,
+    whose backward gathers the factors (runtime.sfb)."""
+
+
+def _recorded_on_its_param(emitter: _Emitter, ins: Instruction) -> None:
+    """all_reduce (backward): nothing to emit; `storage` records it as the parameter's
+    LocalParam.sync, which runtime.train.sync_gradients runs after the backward pass."""
+
+
+EMITTERS: Implementations[Callable[[_Emitter, Instruction], None]] = Implementations("codegen")
+EMITTERS.implements("param", "buffer")(_Emitter.storage)
+EMITTERS.register("input", _Emitter.data_input)
+EMITTERS.register("compute", _Emitter.compute)
+EMITTERS.implements(*(k.name for k in kinds(Category.COMMUNICATION) + kinds(Category.LOCAL)))(_Emitter.conversion)
+EMITTERS.register("sfb", _built_with_its_linear, phase=Phase.BACKWARD)
+EMITTERS.register("all_reduce", _recorded_on_its_param, phase=Phase.BACKWARD)
 
 
 def _global_count(plan: Plan, node: Node) -> int:

@@ -3,7 +3,8 @@
 Each module holds what its collective needs for this rank (spans: group, members, lengths;
 variant; offsets) and prints it in `repr`, so a generated program reads as
 `all_gather_linear_3 = self.all_gather_linear_3(linear_3)` with the module listing
-`AllGather(axis=inner, dim=2, lengths=[16, 16], variant=ring)`.
+`AllGather(axis=inner, dim=2, lengths=[16, 16], variant=ring)`. One builder per layout-change
+kind, registered in CONVERSIONS (instruction_set.kinds).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from instruction_set.kinds import Implementations
 from instruction_set.layouts import axes, shard_dim
 from instruction_set.plan import Plan
 from instruction_set.program import Instruction
@@ -51,36 +53,60 @@ def span(plan: Plan, groups: Groups, tensor: str, layout: str, axis: str) -> C.S
                   tuple(lengths[m] for m in members))
 
 
+Builder = Callable[[Plan, Groups, Instruction], Conversion]
+CONVERSIONS: Implementations[Builder] = Implementations("conversion")
+
+
 def make_conversion(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
-    kind, axis, t = ins.kind, ins.axis, ins.tensor
-    head = f"axis={axis}, {ins.src}->{ins.layout}"
-    if kind == "all_gather":
-        s = span(plan, groups, t, ins.src, axis)
-        return Conversion("AllGather", lambda x: C.all_gather(x, s, ins.variant),
-                          f"{head}, {s.describe()}, variant={ins.variant}")
-    if kind == "reduce_scatter":
-        s = span(plan, groups, t, ins.layout, axis)
-        return Conversion("ReduceScatter", lambda x: C.reduce_scatter(x, s, ins.variant),
-                          f"{head}, {s.describe()}, variant={ins.variant}")
-    if kind == "all_to_all":
-        a, b = span(plan, groups, t, ins.src, axis), span(plan, groups, t, ins.layout, axis)
-        return Conversion("AllToAll", lambda x: C.all_to_all(x, a, b),
-                          f"{head}, from {a.describe()} to {b.describe()}")
-    if kind == "all_reduce":
-        s = groups.span(axis)
-        levels = (groups.span("inner"), groups.span("outer")) if ins.variant == "hierarchical" else None
-        return Conversion("AllReduce", lambda x: C.all_reduce(x, s, levels), f"{head}, variant={ins.variant}")
-    if kind == "all_reduce_max":
-        s = groups.span(axis)
-        return Conversion("AllReduceMax", lambda x: C.all_reduce_max(x, s), head)
-    if kind == "slice":
-        return _slice(plan, groups, ins)
-    if kind == "partial":
-        keep = groups.index(axis) == 0
-        return Conversion("Partial", lambda x: C.partial(x, keep), f"{head}, keep={keep}")
-    raise ValueError(f"not a conversion: {ins.describe()}")
+    """The module running one forward layout-change instruction on this rank."""
+    return CONVERSIONS.get(ins.kind, phase=ins.phase)(plan, groups, ins)
 
 
+def _head(ins: Instruction) -> str:
+    return f"axis={ins.axis}, {ins.src}->{ins.layout}"
+
+
+@CONVERSIONS.implements("all_gather")
+def _all_gather(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
+    s = span(plan, groups, ins.tensor, ins.src, ins.axis)
+    return Conversion("AllGather", lambda x: C.all_gather(x, s, ins.variant),
+                      f"{_head(ins)}, {s.describe()}, variant={ins.variant}")
+
+
+@CONVERSIONS.implements("reduce_scatter")
+def _reduce_scatter(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
+    s = span(plan, groups, ins.tensor, ins.layout, ins.axis)
+    return Conversion("ReduceScatter", lambda x: C.reduce_scatter(x, s, ins.variant),
+                      f"{_head(ins)}, {s.describe()}, variant={ins.variant}")
+
+
+@CONVERSIONS.implements("all_to_all")
+def _all_to_all(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
+    a, b = span(plan, groups, ins.tensor, ins.src, ins.axis), span(plan, groups, ins.tensor, ins.layout, ins.axis)
+    return Conversion("AllToAll", lambda x: C.all_to_all(x, a, b),
+                      f"{_head(ins)}, from {a.describe()} to {b.describe()}")
+
+
+@CONVERSIONS.implements("all_reduce")
+def _all_reduce(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
+    s = groups.span(ins.axis)
+    levels = (groups.span("inner"), groups.span("outer")) if ins.variant == "hierarchical" else None
+    return Conversion("AllReduce", lambda x: C.all_reduce(x, s, levels), f"{_head(ins)}, variant={ins.variant}")
+
+
+@CONVERSIONS.implements("all_reduce_max")
+def _all_reduce_max(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
+    s = groups.span(ins.axis)
+    return Conversion("AllReduceMax", lambda x: C.all_reduce_max(x, s), _head(ins))
+
+
+@CONVERSIONS.implements("partial")
+def _partial(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
+    keep = groups.index(ins.axis) == 0
+    return Conversion("Partial", lambda x: C.partial(x, keep), f"{_head(ins)}, keep={keep}")
+
+
+@CONVERSIONS.implements("slice")
 def _slice(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
     """R -> S(d) along one axis: my rows of the local tensor. Inside a node, slicing a dim the
     node already holds a block of (one-level S(d) from S(d)|R), rows count from the block."""

@@ -1,0 +1,95 @@
+"""The registry of instruction kinds (instruction_set.kinds): every kind has its cost term,
+emitter and (for layout changes) its conversion and cost formula; a kind without one fails
+loudly, naming it and what is registered, while planning, running and loading a plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import hetsynth
+from cost_models.comm import FORMULAS
+from instruction_set import kinds as K
+from instruction_set.kinds import Category, InstructionKind, MissingImplementation, Phase, conversion_kind
+from instruction_set.plan import PlanError, plan_from_json
+from instruction_set.program import Instruction
+from planner.evaluate import TERMS, instruction_term
+from planner.problem import Problem
+from runtime.codegen import EMITTERS, build_rank_program, groups_mesh
+from runtime.conversions import CONVERSIONS
+from runtime.groups import Groups
+
+CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "a100-t4.toml"
+
+
+def _keys(k: InstructionKind) -> list[tuple[str, Phase]]:
+    return [(k.name, p) for p in sorted(k.phases)]
+
+
+def test_every_kind_has_its_cost_term_and_emitter() -> None:
+    keys = [(name, phase, None) for k in K.kinds() for name, phase in _keys(k)]
+    assert TERMS.missing(keys) == []
+    assert EMITTERS.missing(keys) == []
+
+
+def test_every_layout_change_has_a_conversion_and_every_collective_variant_a_formula() -> None:
+    for k in K.kinds(Category.COMMUNICATION) + K.kinds(Category.LOCAL):
+        assert CONVERSIONS.missing([(k.name, Phase.FORWARD, None)]) == [], k.name
+    for k in K.kinds(Category.COMMUNICATION):
+        assert FORMULAS.missing([(k.name, Phase.FORWARD, v) for v in k.variants]) == [], k.name
+
+
+def test_storage_kinds_are_the_graph_input_ops() -> None:
+    from instruction_set.graph import Node
+
+    ops = set(Node.model_fields["op"].annotation.__args__) - {"call"}
+    assert {k.name for k in K.kinds(Category.STORAGE)} == ops
+
+
+def test_conversion_table() -> None:
+    """The forward layout changes along one axis, for every pair of placement kinds."""
+    expected = {("S", "R"): "all_gather", ("P", "S"): "reduce_scatter", ("P", "R"): "all_reduce",
+                ("Pmax", "R"): "all_reduce_max", ("S", "S"): "all_to_all", ("R", "S"): "slice",
+                ("R", "P"): "partial"}
+    for a in ("R", "S", "P", "Pmax"):
+        for b in ("R", "S", "P", "Pmax"):
+            found = conversion_kind(a, b)
+            assert (found.name if found else None) == expected.get((a, b)), (a, b)
+
+
+def test_adjoint_variant_falls_back_to_the_adjoints_first() -> None:
+    back, variant = K.kind("all_gather").adjoint_variant("ring")
+    assert (back.name, variant) == ("reduce_scatter", "ring")
+    assert K.kind("all_reduce_max").adjoint_variant("ring") is None
+
+
+@pytest.fixture(scope="module")
+def plan() -> hetsynth.Plan:
+    return hetsynth.plan("gpt:tiny", cluster=str(CLUSTER))
+
+
+@pytest.fixture
+def scratch(monkeypatch: pytest.MonkeyPatch) -> Instruction:
+    """A registered kind that no layer implements, and one instruction of it."""
+    monkeypatch.setitem(K._KINDS, "scratch", InstructionKind("scratch", Category.COMMUNICATION, variants=("x",)))
+    return Instruction(kind="scratch", tensor="t", layout="R", src="P", variant="x")
+
+
+def test_planning_a_kind_without_a_cost_term_fails_loudly(plan: hetsynth.Plan, scratch: Instruction) -> None:
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios)
+    with pytest.raises(MissingImplementation, match="'scratch'.*all_gather"):
+        instruction_term(pb, scratch, {})
+
+
+def test_running_a_kind_without_codegen_fails_before_emitting(plan: hetsynth.Plan, scratch: Instruction) -> None:
+    bad = plan.model_copy(update={"instructions": (*plan.instructions, scratch)})
+    with pytest.raises(MissingImplementation, match="codegen for instruction kind 'scratch'.*all_gather"):
+        build_rank_program(bad, Groups.local_only(groups_mesh(bad), 0))
+
+
+def test_a_plan_with_an_unknown_kind_does_not_load(plan: hetsynth.Plan) -> None:
+    raw = plan.model_dump(mode="json")
+    raw["instructions"][3]["kind"] = "ag_matmul"
+    with pytest.raises(PlanError, match="instructions.3.kind.*unknown instruction kind 'ag_matmul'.*all_gather"):
+        plan_from_json(raw, "plan.json")
