@@ -59,10 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-
-
-
-
 def remove_dead_runs() -> None:
     """What runs killed before they could clean up left behind (runtime.runstate), removed
     before every command; a note says what."""

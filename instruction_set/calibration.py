@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LINK_CLASSES = ("intra", "inter", "outer")
-
 
 class AlphaBeta(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

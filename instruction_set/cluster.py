@@ -151,15 +151,6 @@ class ClusterSpec(_Frozen):
         payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
-    def node_subcluster(self, node_index: int) -> "ClusterSpec":
-        """The devices of one node as a cluster of its own."""
-        node = self.nodes[node_index]
-        return self.model_copy(update={
-            "name": f"{self.name}/{node.name}",
-            "devices": tuple(d for d in self.devices if d.name in node.devices),
-            "nodes": (node,),
-        })
-
     def scaled(self, num_nodes: int) -> "ClusterSpec":
         """A cluster of `num_nodes` nodes like this one's, in its proportions and order (node j
         copies node j * len(nodes) // num_nodes): hap-paper's 2 V100 + 6 P100 nodes scaled to

@@ -48,10 +48,6 @@ def is_shard(layout: Layout) -> bool:
     return "S" in layout
 
 
-def is_partial(layout: Layout) -> bool:
-    return layout[0] == "P" and "|" not in layout
-
-
 def axes(layout: Layout) -> tuple[Layout, Layout]:
     """(across nodes, inside a node) placements: 'S0|R' -> ('S0', 'R'); 'S0' -> ('S0', 'S0')."""
     if "|" in layout:

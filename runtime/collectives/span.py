@@ -47,9 +47,3 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] == rows:
         return x
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])], dim=0)
-
-
-def full_shape(x: torch.Tensor, span: Span) -> list[int]:
-    shape = list(x.shape)
-    shape[span.dim] = sum(span.lengths)
-    return shape
