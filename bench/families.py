@@ -50,7 +50,7 @@ def capture(ref: str) -> tuple[Any, dict]:
 
 
 def plan(graph: Any) -> tuple[Any, dict]:
-    from cost_models.cluster import load_cluster
+    from instruction_set.cluster import load_cluster
     from planner.planner import make_plan
 
     cluster = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml").first(4)
@@ -65,7 +65,7 @@ def plan(graph: Any) -> tuple[Any, dict]:
 def check(pools: dict, result: Any) -> dict:
     from runtime.check import check_on_pool
     from runtime.pool import RankPool
-    from runtime.train import TrainConfig
+    from runtime.config import TrainConfig
 
     if pools.get("pool") is None or pools["pool"].broken:
         pools["pool"] = RankPool(4, timeout_s=300)

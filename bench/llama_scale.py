@@ -22,7 +22,7 @@ REF = ("hf:llama,num_layers=32,hidden=4096,num_heads=32,num_kv_heads=8,ffn_hidde
 CHILD = """
 import json, time
 import hetsynth
-from cost_models.cluster import load_cluster
+from instruction_set.cluster import load_cluster
 from planner.planner import make_plan
 start = time.perf_counter()
 graph = hetsynth.capture_model({ref!r})

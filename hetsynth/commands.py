@@ -7,6 +7,7 @@ import json
 
 from hetsynth import capture_model
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
+from runtime.config import add_train_arguments, train_config
 from runtime.outputs import check_outputs
 
 
@@ -93,7 +94,7 @@ def plan_run(args: argparse.Namespace) -> int:
 def run_args(p: argparse.ArgumentParser) -> None:
     """train with a plan: torchrun here, or the per-node torchrun commands"""
     p.add_argument("plan", help="plan file written by hetsynth plan")
-    p.add_argument("--steps", type=int, default=20)
+    add_train_arguments(p, skip=("dtype",))  # --check runs the float64 twin itself
     p.add_argument("--devices", type=int, help="run on the first N devices (plans again for them)")
     p.add_argument("--check", action="store_true",
                    help="also run the plan's float64 twin and train the single-device model; compare losses, "
@@ -103,8 +104,6 @@ def run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank may make no progress (a collective that does not complete, no "
                         "heartbeat) before the run stops, naming it")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save", help="write a checkpoint at the end (it holds the steps trained: --steps)")
     p.add_argument("--resume", help="continue from a checkpoint (any plan's) up to --steps, which must be "
                                     "more than the checkpoint's step")
@@ -117,7 +116,7 @@ def run_run(args: argparse.Namespace) -> int:
     from runtime.launch import RunOptions, preflight, run
 
     plan, path = load_plan(args.plan), args.plan
-    opts = RunOptions(steps=args.steps, optimizer=args.optimizer, lr=args.lr, timeout_s=args.timeout,
+    opts = RunOptions(train=train_config(args), timeout_s=args.timeout,
                       check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
                       report=args.report)
     preflight(plan, opts)  # output paths and checkpoint, before any planning or training

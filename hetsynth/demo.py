@@ -79,7 +79,8 @@ def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: a
 def parity(model: str, measured: dict, tolerance: float) -> bool:
     """Every plan's global loss per step against single-device training."""
     from instruction_set.models import parse_model_ref
-    from runtime.train import TrainConfig, reference_training
+    from runtime.config import TrainConfig
+    from runtime.train import reference_training
 
     steps = max(len(m["losses"]) for m in measured.values())
     spec = parse_model_ref(model)

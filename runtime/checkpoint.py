@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from instruction_set.plan import Plan
 from runtime.codegen import local_slice
-from runtime.train import TrainConfig, Trainer, assemble, model_buffers
+from runtime.config import TrainConfig
+from runtime.train import Trainer, assemble, model_buffers
 
 FORMAT = 1
 

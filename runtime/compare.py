@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 from instruction_set.plan import load_plan
 from runtime.codegen import groups_mesh
+from runtime.config import TrainConfig
 from runtime.emulation import IFACE
 from runtime.groups import Groups
 from runtime.rank import run_rank
-from runtime.train import TrainConfig, Trainer, local_batch, setup, train_step
+from runtime.train import Trainer, local_batch, setup, train_step
 
 
 def nic_tx_bytes() -> int | None:

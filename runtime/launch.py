@@ -48,17 +48,17 @@ from instruction_set.plan import Plan, save_plan
 from runtime import emulation, heartbeat, runstate
 from runtime.check import Comparison, compare, dtype_tolerances
 from runtime.checkpoint import check_resume, read_checkpoint
+from runtime.config import TrainConfig
 from runtime.outputs import check_outputs
 from runtime.runstate import RunRecord
-from runtime.train import TrainConfig, plan_reference
+from runtime.train import plan_reference
 
 
 @dataclass
 class RunOptions:
-    steps: int = 20
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    max_grad_norm: float = 1.0
+    """How to run a plan: the training (`train`) and the run around it."""
+
+    train: TrainConfig = TrainConfig()
     timeout_s: float = 60.0
     check: bool = False
     tolerance: float = 1e-9  # float64 check: relative loss; parameters and buffers 10x
@@ -67,8 +67,9 @@ class RunOptions:
     report: str | None = None
     quiet: bool = False
 
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(steps=self.steps, optimizer=self.optimizer, lr=self.lr, max_grad_norm=self.max_grad_norm)
+    @property
+    def steps(self) -> int:
+        return self.train.steps
 
 
 def preflight(plan: Plan, opts: RunOptions) -> None:
@@ -81,7 +82,7 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
         raise ValueError(f"--timeout {opts.timeout_s:g}: give a positive number of seconds")
     check_outputs({"--save": opts.save, "--report": opts.report})
     if opts.resume:
-        check_resume(read_checkpoint(opts.resume), opts.resume, plan, opts.train_config(), opts.steps)
+        check_resume(read_checkpoint(opts.resume), opts.resume, plan, opts.train, opts.steps)
 
 
 def runs_here(cluster: ClusterSpec) -> bool:
@@ -90,13 +91,12 @@ def runs_here(cluster: ClusterSpec) -> bool:
 
 def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str | None,
                 dtype: str | None = None) -> list[str]:
-    args = ["-m", "runtime.worker", "--plan", plan_path, "--steps", str(opts.steps),
-            "--optimizer", opts.optimizer, "--lr", str(opts.lr), "--max-grad-norm", str(opts.max_grad_norm),
+    train = dataclasses.replace(opts.train, dtype=dtype) if dtype else opts.train
+    args = ["-m", "runtime.worker", "--plan", plan_path, *train.to_argv(),
             "--timeout", str(opts.timeout_s), "--report", report]
     args += ["--params-out", params_out] if params_out else []
     args += ["--save", opts.save] if opts.save else []
     args += ["--resume", opts.resume] if opts.resume else []
-    args += ["--dtype", dtype] if dtype else []
     return args + (["--quiet"] if opts.quiet else [])
 
 
@@ -307,10 +307,10 @@ def _kill_session(proc: subprocess.Popen) -> None:
 def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str) -> Comparison:
     """One run against single-device training in `dtype`, from the initialisation or, for a
     resumed run, from the same checkpoint (both cast to `dtype`)."""
-    config = dataclasses.replace(opts.train_config(), dtype=dtype if dtype != plan.model.dtype else None)
+    config = dataclasses.replace(opts.train, dtype=dtype if dtype != plan.model.dtype else None)
     run = json.loads(Path(report).read_text())
     losses, expected = plan_reference(plan, config, read_checkpoint(opts.resume) if opts.resume else None)
-    tolerances = dtype_tolerances(dtype, opts.optimizer, opts.lr, opts.steps - run.get("first_step", 0),
+    tolerances = dtype_tolerances(dtype, opts.train.optimizer, opts.train.lr, opts.steps - run.get("first_step", 0),
                                   opts.tolerance)
     return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances)
 

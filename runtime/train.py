@@ -32,19 +32,8 @@ from instruction_set.program import GRAD_BUCKET_BYTES
 from instruction_set.shards import rank_offset
 from runtime.codegen import RankProgram, build_rank_program, groups_mesh
 from runtime.collectives.allreduce import reduce_sum
+from runtime.config import TrainConfig
 from runtime.groups import Groups
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 5
-    optimizer: str = "adamw"        # adamw | sgd
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-    seed: int = 0
-    data_seed: int = 1
-    dtype: str | None = None        # train the plan's twin in this floating-point dtype
 
 
 @dataclass

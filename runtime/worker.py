@@ -25,26 +25,22 @@ import torch.distributed as dist
 from instruction_set.plan import load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.codegen import groups_mesh
+from runtime.config import add_train_arguments, train_config
 from runtime.groups import Groups
 from runtime.outputs import check_outputs
 from runtime.rank import run_rank
-from runtime.train import TrainConfig, Trainer, assemble, local_parameters, model_buffers, setup, train_step
+from runtime.train import Trainer, assemble, local_parameters, model_buffers, setup, train_step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="runtime.worker")
     p.add_argument("--plan", required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_train_arguments(p)
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--report", help="rank 0 writes a JSON report here")
     p.add_argument("--params-out", help="rank 0 writes the final whole parameters and buffers here (torch.save)")
     p.add_argument("--save", help="checkpoint at the end (labelled with the steps it holds)")
     p.add_argument("--resume", help="checkpoint to start from")
-    p.add_argument("--dtype", help="run the plan's twin in this floating-point dtype (instruction_set.precision)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -107,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out})
         plan = load_plan(args.plan)
         groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD)
-        config = TrainConfig(steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                             max_grad_norm=args.max_grad_norm, seed=args.seed, dtype=args.dtype)
+        config = train_config(args)
         trainer = setup(plan, groups, config, device)
         start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
         if rank == 0 and args.resume and not args.quiet:

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from instruction_set.models import parse_model_ref
-from runtime.train import TrainConfig, reference_training
+from runtime.config import TrainConfig
+from runtime.train import reference_training
 from test_parity import make
 
 REF = "gpt:tiny,dtype=float64"

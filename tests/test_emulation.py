@@ -116,7 +116,8 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     from planner import baselines
     from planner.planner import make_plan
     from runtime.launch import launch
-    from runtime.train import TrainConfig, reference_training
+    from runtime.config import TrainConfig
+    from runtime.train import reference_training
 
     ref = "gpt:tiny,dtype=float64"
     graph = capture_model(ref)

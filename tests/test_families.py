@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from cost_models.cluster import load_cluster
+from instruction_set.cluster import load_cluster
 from instruction_set.graph import ReferenceGraph
 from planner.capture import summarize
 from planner.planner import make_plan
 from planner.problem import Restrictions
 from runtime.check import check_on_pool, tensor_difference
-from runtime.train import TrainConfig
+from runtime.config import TrainConfig
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 RATIOS = [0.4, 0.3, 0.2, 0.1]

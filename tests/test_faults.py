@@ -97,9 +97,10 @@ def test_rank_error_is_the_failure_line(plans: dict[str, str]) -> None:
 def test_rank_checks_its_output_paths_before_training(plans: dict[str, str]) -> None:
     """The ranks check --save themselves (the per-node commands of a multi-node cluster skip
     the launcher's checks): the launcher's failure line carries rank 0's message, no step ran."""
+    from runtime.config import TrainConfig
     from runtime.launch import RunOptions, launch, worker_args
 
-    opts = RunOptions(steps=3, save="/proc/ck.pt")
+    opts = RunOptions(train=TrainConfig(steps=3), save="/proc/ck.pt")
     rc, failure = launch(CLUSTER.first(2), worker_args(plans["single-level"], opts, "/dev/null", None), timeout_s=30)
     assert rc != 0 and failure is not None and failure.rank == 0
     assert "--save '/proc/ck.pt': cannot write" in failure.why, failure

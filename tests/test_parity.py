@@ -23,7 +23,8 @@ from instruction_set.models import parse_model_ref
 from instruction_set.plan import Plan
 from planner.planner import DP_SEED, make_plan
 from planner.problem import Restrictions
-from runtime.train import TrainConfig, assemble, reference_training
+from runtime.config import TrainConfig
+from runtime.train import assemble, reference_training
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 CONFIG = TrainConfig(steps=5, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)

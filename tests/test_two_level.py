@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg as fake_pg
 
-from cost_models.cluster import ClusterSpec, load_cluster
 from hetsynth import capture_model
-from instruction_set.models import parse_model_ref
+from instruction_set.cluster import ClusterSpec, load_cluster
 from instruction_set.graph import ReferenceGraph
 from instruction_set.mesh import Mesh
+from instruction_set.models import parse_model_ref
 from instruction_set.plan import Plan
 from planner import baselines
 from planner.planner import make_plan
