@@ -30,7 +30,7 @@ class _Stderr(logging.Handler):
 def show_progress() -> None:
     """Library code logs what takes long (planning rounds, search progress) at INFO; the CLI
     prints those lines on stderr."""
-    for name in ("planner", "profiling", "hetsynth"):
+    for name in ("planner", "runtime", "profiling", "hetsynth"):
         logger = logging.getLogger(name)
         if not any(isinstance(h, _Stderr) for h in logger.handlers):
             logger.addHandler(_Stderr())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 import torch
@@ -19,6 +20,8 @@ from instruction_set.mesh import Mesh
 from profiling.profiler import measure_collectives, measure_compute, measured_spec
 from runtime.groups import Groups
 from runtime.rank import run_rank
+
+log = logging.getLogger(__name__)
 
 
 OUTER_SKEWS = [None]  # outer groups of two nodes; their shares follow node sums
@@ -59,8 +62,8 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
         with open(args.output, "w") as f:
             f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
         for d, c in zip(cluster.devices, gathered):
-            print(f"{d.name:12s} {d.kind:10s} {c['throughput_flops'] / 1e9:8.2f} GFLOP/s  "
-                  f"{c['memory_bandwidth_gbyte_s']:6.2f} GB/s  launch {c['kernel_launch_us']:6.1f} us", flush=True)
+            log.info("%-12s %-10s %8.2f GFLOP/s  %6.2f GB/s  launch %6.1f us", d.name, d.kind,
+                     c["throughput_flops"] / 1e9, c["memory_bandwidth_gbyte_s"], c["kernel_launch_us"])
 
 
 if __name__ == "__main__":

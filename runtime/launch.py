@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -52,6 +53,8 @@ from runtime.config import TrainConfig
 from runtime.outputs import check_outputs
 from runtime.runstate import RunRecord
 from runtime.train import plan_reference
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,8 +176,8 @@ def launch_in(record: RunRecord, workdir: Path, cluster: ClusterSpec, module_arg
                     f"--master-addr={emu.address(0)}", "--master-port=29500", *torchrun], hold_store=i == 0)), env)
                     for i, node in enumerate(cluster.nodes)]
                 return supervise(record, agents, workdir, cluster.num_devices, timeout_s)
-        print(f"note: not emulating {cluster.name!r} ({reason}); running unshaped local processes "
-              f"(correct results, no link shaping or CPU quotas)", flush=True)
+        log.warning("note: not emulating %r (%s); running unshaped local processes (correct results, no "
+                    "link shaping or CPU quotas)", cluster.name, reason)
     agent = _start(record, workdir, 0, _agent(workdir, 0, ["--standalone", f"--nproc-per-node={cluster.num_devices}",
                                                         *torchrun]), env)
     return supervise(record, [agent], workdir, cluster.num_devices, timeout_s)

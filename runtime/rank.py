@@ -5,7 +5,8 @@ profiler, the plan comparison, the collectives benchmark).
 file the launcher watches), join this rank's emulated device when there is one
 (runtime.emulation), one torch thread per OMP_NUM_THREADS, create the default process group
 (NCCL on a GPU, gloo on CPU) with the collective timeout, run `body(rank, device)`, then a
-barrier and teardown. Any exception prints `rank N failed: <type>: <message>` on stderr and
+barrier and teardown. Logging prints with the rank in front (runtime.logs). Any exception
+logs `rank N failed: <type>: <message>` on stderr and
 goes into the status file (the launcher's failure line carries it; HETSYNTH_DEBUG=1 adds the
 traceback) and the exit status is 1, so the other ranks fail their next collective within
 the timeout.
@@ -14,9 +15,8 @@ the timeout.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import sys
-import traceback
 from typing import Callable
 
 import torch
@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 from runtime.emulation import join_device
 from runtime.heartbeat import Heartbeat
+from runtime.logs import configure_rank_logging
+
+log = logging.getLogger(__name__)
 
 
 def rank_device() -> torch.device:
@@ -40,6 +43,7 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
     """Run `body` on this rank (see the module docstring); returns the exit status.
     `device` overrides rank_device() (the CPU-only tools)."""
     rank = int(os.environ.get("RANK", "0"))
+    configure_rank_logging(rank)
     beat = Heartbeat(rank).start()
     try:
         join_device()
@@ -55,7 +59,5 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
     except Exception as err:  # name the failed rank, exit non-zero
         message = f"{type(err).__name__}: {err}"
         beat.finish("failed", message)
-        print(f"rank {rank} failed: {message}", file=sys.stderr, flush=True)
-        if os.environ.get("HETSYNTH_DEBUG"):
-            traceback.print_exc()
+        log.error("failed: %s", message, exc_info=bool(os.environ.get("HETSYNTH_DEBUG")))
         return 1

@@ -2,8 +2,8 @@
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK from torchrun, initialises the default process group
 (NCCL with a GPU per rank, gloo on CPUs) with a collective timeout, builds its program from
-the plan, trains, and on rank 0 prints a line per step and writes a JSON report. Any
-failure prints `rank N failed: ...` to stderr and exits 1, so torchrun stops the others.
+the plan, trains, and on rank 0 logs a line per step (`--quiet`: none) and writes a JSON report.
+Any failure logs `rank N failed: ...` on stderr and exits 1, so torchrun stops the others.
 
 For tests of the failure paths, `HETSYNTH_FAULT=<rank>:<step>:<kind>` makes that rank, at
 the start of that step, SIGKILL itself (`kill`), SIGSTOP itself (`stop`: a stuck rank) or
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import statistics
@@ -30,6 +31,8 @@ from runtime.groups import Groups
 from runtime.outputs import check_outputs
 from runtime.rank import run_rank
 from runtime.train import Trainer, assemble, local_parameters, model_buffers, setup, train_step
+
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,33 +67,32 @@ def _inject(rank: int, step: int) -> None:
 
 def _train(trainer: Trainer, args: argparse.Namespace, start: int) -> list[dict]:
     rank = trainer.groups.rank
-    log = []
+    steps = []
     for step in range(start, args.steps):
         _inject(rank, step)
         entry = train_step(trainer, step)
-        log.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
+        steps.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
         if rank == 0 and not args.quiet:
-            print(f"step {step + 1:4d}/{args.steps}  loss {entry.loss:.6f}  {entry.seconds * 1e3:8.1f} ms",
-                  flush=True)
-    return log
+            log.info("step %4d/%d  loss %.6f  %8.1f ms", step + 1, args.steps, entry.loss, entry.seconds * 1e3)
+    return steps
 
 
-def _finish(trainer: Trainer, args: argparse.Namespace, log: list[dict], start: int) -> None:
+def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start: int) -> None:
     if args.save:
-        step = start + len(log)  # the steps the checkpoint holds
+        step = start + len(steps)  # the steps the checkpoint holds
         save_checkpoint(trainer, args.save, step)
         if trainer.groups.rank == 0 and not args.quiet:
-            print(f"saved {args.save} (step {step})", flush=True)
+            log.info("saved %s (step %d)", args.save, step)
     if args.params_out:
         gathered = [None] * dist.get_world_size() if trainer.groups.rank == 0 else None
         dist.gather_object(local_parameters(trainer), gathered, dst=0, group=trainer.groups.group("all"))
         if trainer.groups.rank == 0:
             torch.save(assemble(trainer.plan, gathered) | model_buffers(trainer), args.params_out)
     if trainer.groups.rank == 0 and args.report:
-        times = [e["seconds"] for e in log[1:]] or [e["seconds"] for e in log]
+        times = [e["seconds"] for e in steps[1:]] or [e["seconds"] for e in steps]
         with open(args.report, "w") as f:
-            json.dump({"first_step": start, "losses": [e["loss"] for e in log],
-                       "step_seconds": [e["seconds"] for e in log],
+            json.dump({"first_step": start, "losses": [e["loss"] for e in steps],
+                       "step_seconds": [e["seconds"] for e in steps],
                        "median_step_s": statistics.median(times) if times else None,
                        "world_size": dist.get_world_size()}, f)
 
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = setup(plan, groups, config, device)
         start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
         if rank == 0 and args.resume and not args.quiet:
-            print(f"resumed from {args.resume} (step {start}): training steps {start + 1}-{args.steps}", flush=True)
+            log.info("resumed from %s (step %d): training steps %d-%d", args.resume, start, start + 1, args.steps)
         _finish(trainer, args, _train(trainer, args, start), start)
 
     return run_rank(body, timeout_s=args.timeout)
