@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Callable, Generic, Iterable, TypeVar
 
+from instruction_set.mesh import MeshAxis
+
 F = TypeVar("F")
 
 
@@ -49,9 +51,6 @@ class Phase(StrEnum):
     BACKWARD = "backward"
 
 
-AXES = frozenset({"all", "inner", "outer"})
-
-
 @dataclass(frozen=True)
 class InstructionKind:
     """One kind of instruction: its pattern along one mesh axis (`source` -> `target`
@@ -64,7 +63,7 @@ class InstructionKind:
     variants: tuple[str, ...] = ()
     adjoint: str | None = None
     phases: frozenset[Phase] = frozenset({Phase.FORWARD})
-    axes: frozenset[str] = AXES
+    axes: frozenset[MeshAxis] = frozenset(MeshAxis)
     gradient: bool | None = None  # False: only for tensors without gradient
     doc: str = ""
 
@@ -182,7 +181,7 @@ for _k in (
     InstructionKind("reduce_scatter", Category.COMMUNICATION, "P", "S", GATHER_VARIANTS, "all_gather"),
     InstructionKind("all_reduce", Category.COMMUNICATION, "P", "R", ("ring", "hierarchical"), "all_reduce", BOTH,
                     doc="backward phase: gradient sync of a replicated parameter, in buckets"),
-    InstructionKind("all_reduce_max", Category.COMMUNICATION, "Pmax", "R", ("ring",), axes=frozenset({"all"}),
+    InstructionKind("all_reduce_max", Category.COMMUNICATION, "Pmax", "R", ("ring",), axes=frozenset({MeshAxis.ALL}),
                     gradient=False),
     InstructionKind("all_to_all", Category.COMMUNICATION, "S", "S", ("native",), "all_to_all"),
     InstructionKind("slice", Category.LOCAL, "R", "S", ("local",), doc="backward zero-pads (local)"),

@@ -9,6 +9,15 @@ cluster is one-level (`two_level` False) and uses only one-level layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class MeshAxis(StrEnum):
+    """The axes a collective runs along."""
+
+    ALL = "all"      # every member, one group
+    INNER = "inner"  # the members of my node (one group per node)
+    OUTER = "outer"  # one member per node with my local index (one group per local index)
 
 
 @dataclass(frozen=True)

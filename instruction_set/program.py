@@ -18,12 +18,13 @@ the planner considered to its predicted seconds.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from instruction_set.kinds import Category, known_kind, kinds
+from instruction_set.kinds import Category, Phase, known_kind, kinds
 from instruction_set.kinds import kind as instruction_kind
+from instruction_set.mesh import MeshAxis
 
 Kind = Annotated[str, AfterValidator(known_kind)]  # a registered kind (instruction_set.kinds)
 
@@ -43,8 +44,8 @@ class Instruction(BaseModel):
     inputs: tuple[str, ...] = ()
     local: str = ""
     variant: str = ""
-    phase: Literal["forward", "backward"] = "forward"
-    axis: Literal["all", "inner", "outer"] = "all"
+    phase: Phase = Phase.FORWARD
+    axis: MeshAxis = MeshAxis.ALL
     predicted_s: float = 0.0
     alternatives: dict[str, float] = Field(default_factory=dict)
 
