@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from runtime.collectives.gather import GATHER
+from runtime import collectives  # noqa: F401  (registers the variants)
+from runtime.collectives.registry import COLLECTIVE_VARIANTS
 from runtime.collectives.span import Span
 
 
@@ -30,7 +31,7 @@ class SFBLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
-        gather = GATHER[ctx.variant]
+        gather = COLLECTIVE_VARIANTS.get("all_gather", variant=ctx.variant)
         xs = gather(x.reshape(-1, x.shape[-1]), ctx.span)
         dys = gather(dy.reshape(-1, dy.shape[-1]), ctx.span)
         return dy @ weight, dys.t() @ xs, None, None

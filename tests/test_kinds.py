@@ -40,6 +40,17 @@ def test_every_layout_change_has_a_conversion_and_every_collective_variant_a_for
         assert FORMULAS.missing([(k.name, Phase.FORWARD, v) for v in k.variants]) == [], k.name
 
 
+def test_the_runtime_implements_every_gather_and_scatter_variant_and_the_profiler_times_kinds() -> None:
+    from profiling.profiler import CASES
+    from runtime.collectives import COLLECTIVE_VARIANTS
+
+    for name in ("all_gather", "reduce_scatter"):
+        assert COLLECTIVE_VARIANTS.missing([(name, Phase.FORWARD, v) for v in K.kind(name).variants]) == []
+    for case in CASES:
+        name, variant = case.split(".")
+        assert variant in K.kind(name).variants, case
+
+
 def test_storage_kinds_are_the_graph_input_ops() -> None:
     from instruction_set.graph import Node
 

@@ -7,7 +7,8 @@ from runtime.collectives.adjoint import all_gather, reduce_scatter
 from runtime.collectives.allreduce import all_reduce, all_reduce_max
 from runtime.collectives.alltoall import all_to_all
 from runtime.collectives.local import partial, slice_rows
+from runtime.collectives.registry import COLLECTIVE_VARIANTS
 from runtime.collectives.span import Span
 
-__all__ = ["Span", "all_gather", "all_reduce", "all_reduce_max", "all_to_all", "partial",
+__all__ = ["COLLECTIVE_VARIANTS", "Span", "all_gather", "all_reduce", "all_reduce_max", "all_to_all", "partial",
            "reduce_scatter", "slice_rows"]

@@ -4,15 +4,14 @@ and the reverse (HAP, EuroSys'24: the distributed program covers the forward pas
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from runtime.collectives.gather import GATHER
-from runtime.collectives.scatter import SCATTER
+from instruction_set.kinds import kind
+from runtime.collectives import gather, scatter  # noqa: F401  (they register their variants)
+from runtime.collectives.registry import COLLECTIVE_VARIANTS, Impl
 from runtime.collectives.span import Span
-
-Impl = Callable[[torch.Tensor, Span], torch.Tensor]
 
 
 class Adjoint(torch.autograd.Function):
@@ -26,11 +25,19 @@ class Adjoint(torch.autograd.Function):
         return ctx.backward_impl(grad, ctx.span), None, None, None
 
 
+def with_adjoint(name: str, x: torch.Tensor, span: Span, variant: str) -> torch.Tensor:
+    """The collective `name` (variant) whose backward is its kind's adjoint (its variant)."""
+    back = kind(name).adjoint_variant(variant)
+    assert back is not None, f"{name} has no adjoint"
+    return Adjoint.apply(x, span, COLLECTIVE_VARIANTS.get(name, variant=variant),
+                         COLLECTIVE_VARIANTS.get(back[0].name, variant=back[1]))
+
+
 def all_gather(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
     """S(d) -> R; backward: reduce-scatter P -> S(d) of the same variant."""
-    return Adjoint.apply(x, span, GATHER[variant], SCATTER[variant])
+    return with_adjoint("all_gather", x, span, variant)
 
 
 def reduce_scatter(x: torch.Tensor, span: Span, variant: str = "padded") -> torch.Tensor:
     """P -> S(d); backward: all-gather S(d) -> R of the same variant."""
-    return Adjoint.apply(x, span, SCATTER[variant], GATHER[variant])
+    return with_adjoint("reduce_scatter", x, span, variant)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.collectives import ring
+from runtime.collectives.registry import COLLECTIVE_VARIANTS
 from runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
@@ -52,4 +53,5 @@ def gather_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
     return from_front(torch.cat(blocks), span.dim)  # type: ignore[arg-type]
 
 
-GATHER = {"padded": gather_padded, "grouped": gather_grouped, "ring": gather_ring}
+for _variant, _impl in {"padded": gather_padded, "grouped": gather_grouped, "ring": gather_ring}.items():
+    COLLECTIVE_VARIANTS.register("all_gather", _impl, variant=_variant)

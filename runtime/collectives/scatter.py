@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.collectives import ring
+from runtime.collectives.registry import COLLECTIVE_VARIANTS
 from runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
@@ -56,4 +57,5 @@ def scatter_ring(x: torch.Tensor, span: Span) -> torch.Tensor:
     return from_front(acc[i], span.dim)
 
 
-SCATTER = {"padded": scatter_padded, "grouped": scatter_grouped, "ring": scatter_ring}
+for _variant, _impl in {"padded": scatter_padded, "grouped": scatter_grouped, "ring": scatter_ring}.items():
+    COLLECTIVE_VARIANTS.register("reduce_scatter", _impl, variant=_variant)
