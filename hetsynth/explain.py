@@ -7,6 +7,7 @@ the rank's shard table: every split tensor's local shape and where its slice sta
 
 from __future__ import annotations
 
+from hetsynth.report import table
 from instruction_set.layouts import is_shard
 from instruction_set.plan import Plan, PlanError
 from instruction_set.shards import rank_offset
@@ -29,8 +30,7 @@ def shard_rows(plan: Plan, rank: int) -> list[list[str]]:
 
 
 def explain(plan: Plan, rank: int) -> str:
-    from hetsynth.report import table
-
+    """Rank `rank`'s generated program and shard table, as text."""
     n = plan.cluster.num_devices
     if not 0 <= rank < n:
         raise PlanError(f"--rank {rank}: the plan has {n} ranks (0..{n - 1})")

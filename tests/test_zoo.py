@@ -99,3 +99,23 @@ def test_hf_sizes_follow_the_overrides() -> None:
     assert sum(p.numel() for p in model.parameters()) == 32 * per_layer + 2 * 32000 * 4096 + 4096
     assert parse_model_ref("hf:t5,hidden=64").config.attrs["d_kv"] == 16
     assert parse_model_ref("hf:llama,head_dim=16").config.attrs["head_dim"] == 16
+
+
+def test_the_zoo_reaches_the_registry_through_its_entry_point() -> None:
+    """A rank resolves zoo references without importing the face: instruction_set.models
+    loads the `hetsynth.models` entry points, and the zoo's registers every ZOO entry."""
+    import importlib.metadata
+
+    from instruction_set.models import ENTRY_POINTS, families
+
+    assert [ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)] == ["hetsynth.zoo"]
+    assert {name: f for name, f in families().items() if name in ZOO} == dict(ZOO)
+
+
+def test_without_model_families_the_error_says_how_to_install_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import instruction_set.models as models
+
+    monkeypatch.setattr(models, "_FAMILIES", {})
+    monkeypatch.setattr(models, "_plugins_loaded", True)
+    with pytest.raises(ModelRefError, match="unknown model 'gpt'.*no model families are installed.*pip install"):
+        parse_model_ref("gpt:tiny")
