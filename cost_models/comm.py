@@ -173,7 +173,7 @@ class CommModel:
         return self.entries.size
 
     def group_size(self, axis: str) -> int:
-        return {"all": self.n, "inner": self.mesh.per_node, "outer": self.mesh.num_nodes}[axis]
+        return self.mesh.group_size(axis)
 
     def _intra(self) -> AlphaBeta:
         spec, links = self.cluster, self.cluster.links

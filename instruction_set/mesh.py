@@ -1,9 +1,11 @@
-"""The device mesh of a plan: nodes x devices per node.
+"""The device mesh of a plan: nodes x devices per node, and its sub-meshes.
 
 Ranks are numbered node by node (the cluster spec's device order), so rank
-`r = node * per_node + local`. A cluster whose nodes all hold the same number (> 1) of
-devices, with more than one node, has a 2-d mesh and may use two-level layouts; any other
-cluster is one-level (`two_level` False) and uses only one-level layouts.
+`r = first_rank + node * per_node + local`. A cluster whose nodes all hold the same number
+(> 1) of devices, with more than one node, has a 2-d mesh and may use two-level layouts; any
+other cluster is one-level (`two_level` False) and uses only one-level layouts. A sub-mesh
+(`sub`: some whole nodes of a mesh, as a pipeline stage) has its own axes over its own ranks.
+Who shares a collective along an axis (`members`) is answered here only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Mesh:
     num_nodes: int
     per_node: int
     two_level: bool
+    first_rank: int = 0  # global rank of the first member (non-zero for a sub-mesh)
 
     @staticmethod
     def of(node_sizes: list[int]) -> "Mesh":
@@ -37,15 +40,43 @@ class Mesh:
     def size(self) -> int:
         return self.num_nodes * self.per_node
 
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.size)
+
+    def axes(self) -> tuple[MeshAxis, ...]:
+        return tuple(MeshAxis) if self.two_level else (MeshAxis.ALL,)
+
     def node(self, rank: int) -> int:
-        return rank // self.per_node
+        return (rank - self.first_rank) // self.per_node
 
     def local(self, rank: int) -> int:
-        return rank % self.per_node
+        return (rank - self.first_rank) % self.per_node
 
     def node_ranks(self, node: int) -> range:
-        return range(node * self.per_node, (node + 1) * self.per_node)
+        start = self.first_rank + node * self.per_node
+        return range(start, start + self.per_node)
 
     def cross_ranks(self, local: int) -> range:
         """The ranks with this local index on every node (one across-nodes group)."""
-        return range(local, self.size, self.per_node)
+        return range(self.first_rank + local, self.first_rank + self.size, self.per_node)
+
+    def members(self, axis: str, rank: int) -> range:
+        """The global ranks that share `rank`'s collective along `axis`, in group order."""
+        if axis == MeshAxis.ALL:
+            return self.ranks
+        if axis == MeshAxis.INNER:
+            return self.node_ranks(self.node(rank))
+        return self.cross_ranks(self.local(rank))
+
+    def group_size(self, axis: str) -> int:
+        return {MeshAxis.ALL: self.size, MeshAxis.INNER: self.per_node, MeshAxis.OUTER: self.num_nodes}[axis]
+
+    def sub(self, first_node: int, num_nodes: int) -> "Mesh":
+        """The sub-mesh of `num_nodes` whole nodes from `first_node` (two-level when it keeps
+        more than one node of more than one device)."""
+        if not (0 <= first_node and num_nodes >= 1 and first_node + num_nodes <= self.num_nodes):
+            raise ValueError(f"nodes {first_node}..{first_node + num_nodes - 1} are not nodes of a mesh of "
+                             f"{self.num_nodes} nodes (0..{self.num_nodes - 1})")
+        return Mesh(num_nodes, self.per_node, self.two_level and num_nodes > 1,
+                    self.first_rank + first_node * self.per_node)

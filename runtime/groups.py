@@ -57,11 +57,7 @@ class Groups:
 
     def members(self, axis: str) -> list[int]:
         """Global ranks of my group along `axis`, in group order."""
-        if axis == "all":
-            return list(range(self.mesh.size))
-        if axis == "inner":
-            return list(self.mesh.node_ranks(self.mesh.node(self.rank)))
-        return list(self.mesh.cross_ranks(self.mesh.local(self.rank)))
+        return list(self.mesh.members(axis, self.rank))
 
     def index(self, axis: str) -> int:
         return self.members(axis).index(self.rank)
