@@ -21,7 +21,7 @@ from profiling.profiler import measure_collectives, measure_compute, measured_sp
 from runtime.groups import Groups
 from runtime.rank import run_rank
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("profiling.profile_worker")  # runs as __main__ under torchrun
 
 
 OUTER_SKEWS = [None]  # outer groups of two nodes; their shares follow node sums

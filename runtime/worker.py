@@ -32,7 +32,7 @@ from runtime.outputs import check_outputs
 from runtime.rank import run_rank
 from runtime.train import Trainer, assemble, local_parameters, model_buffers, setup, train_step
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runtime.worker")  # not __name__: this module runs as __main__ under torchrun
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
