@@ -16,7 +16,7 @@ parameters to optimise; `RankProgram.params` tells how each synchronises its gra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -46,6 +46,7 @@ class RankProgram:
     module: fx.GraphModule
     params: list[LocalParam]
     inputs: list[tuple[str, str]]  # (graph input name, layout) in placeholder order
+    ends: list[tuple[int, str]] = field(default_factory=list)  # (instruction index, name of its last fx node)
 
 
 class FxBuilder:
@@ -154,18 +155,25 @@ class _Emitter:
         self.env[(ins.tensor, ins.layout)] = self.graph.call_module(name, (self.env[(ins.tensor, ins.src)],))
 
     def emit(self) -> RankProgram:
-        for ins in self.plan.instructions:
-            if ins.kind in ("param", "buffer"):
-                self.storage(ins)
-            elif ins.kind == "input":
-                self.data_input(ins)
-            elif ins.kind == "compute":
-                self.compute(ins)
-            elif ins.phase == "forward" and (ins.kind in COLLECTIVES or ins.kind in ("slice", "partial")):
-                self.conversion(ins)
+        ends = []
+        for index, ins in enumerate(self.plan.instructions):
+            before = len(self.graph.nodes)
+            self._emit_one(ins)
+            if len(self.graph.nodes) > before and ins.kind not in ("param", "buffer", "input"):
+                ends.append((index, next(iter(reversed(self.graph.nodes))).name))
         self.graph.output(self.env[(self.plan.graph.loss, "P")])
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
-        return RankProgram(module, self.params, self.inputs)
+        return RankProgram(module, self.params, self.inputs, ends)
+
+    def _emit_one(self, ins: Instruction) -> None:
+        if ins.kind in ("param", "buffer"):
+            self.storage(ins)
+        elif ins.kind == "input":
+            self.data_input(ins)
+        elif ins.kind == "compute":
+            self.compute(ins)
+        elif ins.phase == "forward" and (ins.kind in COLLECTIVES or ins.kind in ("slice", "partial")):
+            self.conversion(ins)
 
 
 def _global_count(plan: Plan, node: Node) -> int:
