@@ -46,12 +46,13 @@ def read_raw(directory: str | Path, world_size: int) -> list[dict[str, Any]]:
 
 
 def _forward_spans(step: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """(instruction, start, end): each instruction runs from the previous stamp to its own."""
+    """(instruction, start, end): each instruction runs from the end of the previous stamp
+    to the start of its own (runtime.timing)."""
     forward_start = next(s for name, s, _ in step["phases"] if name == "forward")
     out, at = [], forward_start
-    for index, stamp in step["forward"]:
-        out.append((index, at, stamp))
-        at = stamp
+    for index, end, resume in step["forward"]:
+        out.append((index, at, end))
+        at = resume
     return out
 
 

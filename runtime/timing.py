@@ -5,8 +5,8 @@ prediction are hetsynth.trace's work. A traced step runs a second GraphModule bu
 rank's program (same parameters, buffers and collective modules, so training is unchanged)
 with a stamp after the last fx node of every instruction (RankProgram.ends):
 
-- forward: instruction k runs from the previous stamp to its own (only get_attr nodes, which
-  cost nothing, lie between two instructions);
+- forward: instruction k runs from the end of the previous stamp to the start of its own
+  (only get_attr nodes, which cost nothing, lie between two instructions);
 - backward: the stamp also finds the autograd nodes instruction k created (reachable from its
   outputs' grad_fn, with a sequence number above every node seen before; AccumulateGrad
   excluded) and hooks them: a pre-hook and a post-hook record when each runs. The backward of
@@ -47,16 +47,19 @@ class Recorder:
     """Raw times of one traced step on this rank (perf_counter seconds)."""
 
     start: float = 0.0
-    forward: list[tuple[int, float]] = field(default_factory=list)    # (instruction, stamp)
+    forward: list[tuple[int, float, float]] = field(default_factory=list)  # (instruction, end, next start)
     backward: list[list[Any]] = field(default_factory=list)           # [instruction, start, end]
     last_seq: int = -1
 
     def stamp(self, index: int, out: Any) -> Any:
-        self.forward.append((index, time.perf_counter()))
+        """Instruction `index` ended now; hook its autograd nodes; the next one starts when
+        this returns (the hooking is nobody's time)."""
+        end = time.perf_counter()
         tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         fresh = self._new_nodes([t.grad_fn for t in tensors if t.grad_fn is not None])
         for fn in fresh:
             self._hook(fn, index)
+        self.forward.append((index, end, time.perf_counter()))
         return out
 
     def _new_nodes(self, roots: list[Any]) -> list[Any]:
@@ -125,7 +128,7 @@ def step_record(step: int, recorder: Recorder, seconds: float, phases: dict[str,
         spans.append([name, at - t0, at - t0 + length])
         at += length
     return {"step": step, "seconds": seconds, "phases": spans,
-            "forward": [[k, t - t0] for k, t in recorder.forward],
+            "forward": [[k, end - t0, resume - t0] for k, end, resume in recorder.forward],
             "backward": [[k, s - t0, e - t0] for k, s, e in recorder.backward if e >= s > 0]}
 
 
