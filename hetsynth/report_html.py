@@ -76,17 +76,51 @@ def _batch_rows(plan: Plan) -> list[int]:
     return [plan.model.batch_size] * n
 
 
+def collapse(rows: list[list[Any]], free: tuple[int, ...] = ()) -> list[list[Any]]:
+    """Consecutive rows equal but for their first column (the device) and the `free` columns
+    as one row: `16: p100-0/0 .. 63: p100-5/7 (48)`, free columns as `first .. last`."""
+    groups: list[list[list[Any]]] = []
+    same = lambda a, b: all(x == y for i, (x, y) in enumerate(zip(a, b)) if i and i not in free)
+    for row in rows:
+        if groups and same(groups[-1][0], row):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    out = []
+    for g in groups:
+        if len(g) == 1:
+            out.append(g[0])
+            continue
+        span = lambda i: g[0][i] if g[0][i] == g[-1][i] else f"{g[0][i]} .. {g[-1][i]}"
+        out.append([f"{g[0][0]} .. {g[-1][0]} ({len(g)})"] + [span(i) for i in range(1, len(g[0]))])
+    return out
+
+
+def lengths_text(lengths: tuple[int, ...] | list[int]) -> str:
+    """'5 / 3', or for many ranks runs: '1 x16 / 0 x48'."""
+    if len(lengths) <= 8:
+        return " / ".join(str(x) for x in lengths)
+    runs: list[list[int]] = []
+    for x in lengths:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return " / ".join(f"{x} x{n}" if n > 1 else str(x) for x, n in runs)
+
+
 def ratio_section(plan: Plan) -> str:
     node_of = {d: node.name for node in plan.cluster.nodes for d in node.devices}
-    rows = [[f"{r}: {d.name}", d.kind, node_of.get(d.name, ""), f"{ratio:.4f}", rows_]
-            for r, (d, ratio, rows_) in enumerate(zip(plan.cluster.devices, plan.sharding_ratios, _batch_rows(plan)))]
+    rows = collapse([[f"{r}: {d.name}", d.kind, node_of.get(d.name, ""), f"{ratio:.4f}", rows_]
+                     for r, (d, ratio, rows_) in enumerate(zip(plan.cluster.devices, plan.sharding_ratios,
+                                                               _batch_rows(plan)))], free=(2,))
     splits = []
     for tensor, layouts in plan.shards.items():
         for layout, dims in layouts.items():
             for dim, lengths in dims.items():
                 splits.append((plan.graph.node(tensor).out.numel, f"{tensor}:{layout} dim {dim}", lengths))
     splits.sort(key=lambda s: -s[0])
-    shard_rows = [[name, f"{numel:,}", " / ".join(str(x) for x in lengths)] for numel, name, lengths in splits[:12]]
+    shard_rows = [[name, f"{numel:,}", lengths_text(lengths)] for numel, name, lengths in splits[:12]]
     return ("<h2>Sharding ratios and shard lengths</h2>"
             + table(["device", "kind", "node", "ratio", "batch rows"], rows)
             + f"<p class=note>the {len(shard_rows)} largest of {len(splits)} splits: local length on each rank</p>"
@@ -111,10 +145,11 @@ def bars(items: list[tuple[str, float, float | None, str]], unit: str) -> str:
 
 def memory_section(plan: Plan) -> str:
     devices = plan.predicted.devices
-    rows = [[f"{r}: {d.name}", d.kind, f"{d.memory_gib:.4f}", f"{d.memory_capacity_gib:g}",
-             f"{100 * d.memory_gib / d.memory_capacity_gib:.1f}%"] for r, d in enumerate(devices)]
-    items = [(f"{r}: {d.name}", d.memory_gib, d.memory_capacity_gib,
-              "#b00" if d.memory_gib > d.memory_capacity_gib else "#5a9e5a") for r, d in enumerate(devices)]
+    rows = collapse([[f"{r}: {d.name}", d.kind, f"{d.memory_gib:.4f}", f"{d.memory_capacity_gib:g}",
+                      f"{100 * d.memory_gib / d.memory_capacity_gib:.1f}%"] for r, d in enumerate(devices)])
+    shown = sorted({int(str(row[0]).split(":")[0]) for row in rows})[:MAX_ROWS]
+    items = [(f"{r}: {devices[r].name}", devices[r].memory_gib, devices[r].memory_capacity_gib,
+              "#b00" if devices[r].memory_gib > devices[r].memory_capacity_gib else "#5a9e5a") for r in shown]
     return ("<h2>Memory per device</h2><p>" + ("fits" if plan.predicted.fits else '<span class=bad>does not fit</span>')
             + " (red line: the device's capacity)</p>" + table(["device", "kind", "GiB", "capacity GiB", "used"], rows)
             + bars(items, "GiB"))
