@@ -121,6 +121,9 @@ def run_run(args: argparse.Namespace) -> int:
 
     plan, path = load_plan(args.plan), args.plan
     check_outputs({"--save": args.save, "--report": args.report, **trace_outputs(args.trace)})
+    if args.trace and not runs_here(plan.cluster):
+        raise ValueError(f"--trace {args.trace!r}: cluster {plan.cluster.name!r} has {len(plan.cluster.nodes)} nodes "
+                         f"and no emulation section, so its ranks run elsewhere; --trace needs a run on this machine")
     with raw_trace_dir(args.trace) as raw:
         opts = RunOptions(steps=args.steps, optimizer=args.optimizer, lr=args.lr, timeout_s=args.timeout,
                           check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
@@ -130,7 +133,7 @@ def run_run(args: argparse.Namespace) -> int:
             plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
         rc = run(plan, path, opts)
-        if rc == 0 and raw is not None and runs_here(plan.cluster):
+        if rc == 0 and raw is not None:
             write_run_trace(plan, raw, args.trace)
     return rc
 

@@ -174,6 +174,8 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
                                        f"{_out(t)}.trace"], "--trace-steps 2 with --steps 2"),
     ("run: no --trace dir", lambda t, p: ["run", _same(t, p), "--steps", "2", "--trace", f"{t}/nodir/m.json"],
      "--trace '" + "{t}/nodir/m.json': directory"),
+    ("run: --trace elsewhere", lambda t, p: ["run", _plan(t, p, lambda r: r["cluster"].update(emulation=None)), "--steps",
+                                             "2", "--trace", _out(t)], "--trace needs a run on this machine"),
     ("run: --trace is --report", lambda t, p: ["run", _same(t, p), "--steps", "2", "--trace", _out(t),
                                                "--report", _out(t)], "name the same file"),
 ]
