@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from hetsynth import capture_model
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
@@ -133,8 +134,8 @@ def run_run(args: argparse.Namespace) -> int:
             plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
         rc = run(plan, path, opts)
-        if rc == 0 and raw is not None:
-            write_run_trace(plan, raw, args.trace)
+        if raw is not None and len(list(Path(raw).glob("rank*.json"))) == plan.cluster.num_devices:
+            write_run_trace(plan, raw, args.trace)  # every rank trained (also when --check then failed)
     return rc
 
 

@@ -28,7 +28,7 @@ from hetsynth.report_html import report_html
 from hetsynth.trace import COMMUNICATION, COMPUTE, TRACE_SCHEMA, predicted_trace
 from instruction_set.plan import Plan, save_plan
 from planner.planner import make_plan
-from runtime.train import TrainConfig, reference_training
+from runtime.train import TrainConfig, assemble, reference_training
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
@@ -91,29 +91,32 @@ def traced_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> tup
     from runtime.codegen import groups_mesh
     from runtime.groups import Groups
     from runtime.timing import StepTracer
-    from runtime.train import setup, train_step
+    from runtime.train import local_parameters, setup, train_step
 
     trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), config)
     tracer = StepTracer(trainer)
     losses = [(tracer.step(s) if s >= 1 else train_step(trainer, s)).loss for s in range(config.steps)]
-    return losses, tracer.record()
+    return losses, tracer.record(), local_parameters(trainer)
 
 
 @pytest.fixture(scope="module")
 def traced(pools) -> tuple[Plan, list, dict]:
     plan = _plan("gpt:tiny,dtype=float64", EMULATED, [0.7, 0.3], 2)
     results = pools.get(2).run(traced_worker, plan, CONFIG, timeout_s=300)
-    return plan, [r[0] for r in results], measured_trace(plan, [r[1] for r in results])
+    return plan, ([r[0] for r in results], assemble(plan, [r[2] for r in results])), \
+        measured_trace(plan, [r[1] for r in results])
 
 
 def test_traced_steps_train_as_untraced(traced) -> None:
-    plan, losses, _ = traced
+    plan, (losses, params), _ = traced
     from hetsynth.models import parse_model_ref
 
     spec = parse_model_ref(plan.model.ref)
-    expected, _ = reference_training(spec, spec.batch_size, CONFIG)
+    expected, expected_params = reference_training(spec, spec.batch_size, CONFIG)
     for got, want in zip(losses[0], expected):
         assert abs(got - want) <= 1e-9 * abs(want)
+    for name, value in params.items():
+        assert float((value - expected_params[name]).abs().max()) <= 1e-8, name
 
 
 def test_measured_trace_times_every_instruction(traced) -> None:
