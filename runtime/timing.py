@@ -127,7 +127,7 @@ def step_record(step: int, recorder: Recorder, seconds: float, phases: dict[str,
     for name, length in phases.items():  # runtime.train's marks are consecutive
         spans.append([name, at - t0, at - t0 + length])
         at += length
-    return {"step": step, "seconds": seconds, "phases": spans,
+    return {"step": step + 1, "seconds": seconds, "phases": spans,  # 1-based, as `run` prints steps
             "forward": [[k, end - t0, resume - t0] for k, end, resume in recorder.forward],
             "backward": [[k, s - t0, e - t0] for k, s, e in recorder.backward if e >= s > 0]}
 
