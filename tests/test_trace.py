@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import struct
-import subprocess
-import zlib
+import sys
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
 
 from cost_models.cluster import load_cluster
@@ -31,6 +27,8 @@ from planner.planner import make_plan
 from runtime.train import TrainConfig, assemble, reference_training
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from render import COMMUNICATION_RGB, COMPUTE_RGB, chromium, dark_pixels, pixels_of, png_pixels, screenshot  # noqa: E402
 EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
 A100_T4 = ROOT / "configs" / "clusters" / "a100-t4.toml"
 
@@ -152,59 +150,15 @@ def test_report_is_self_contained(traced, tmp_path: Path) -> None:
         assert section in html
 
 
-def _png_pixels(path: Path) -> np.ndarray:
-    """RGB(A) pixels of an 8-bit, non-interlaced PNG (what Chromium writes)."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks, header = 8, [], None
-    while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        header = body if kind == b"IHDR" else header
-        chunks += [body] if kind == b"IDAT" else []
-        pos += 12 + length
-    width, height, depth, colour = struct.unpack(">IIBB", header[:10])
-    assert depth == 8 and colour in (2, 6)
-    bpp = 3 if colour == 2 else 4
-    raw = np.frombuffer(zlib.decompress(b"".join(chunks)), dtype=np.uint8).reshape(height, width * bpp + 1)
-    out = np.zeros((height, width * bpp), dtype=np.int32)
-    for y in range(height):
-        f, line = raw[y, 0], raw[y, 1:].astype(np.int32)
-        up = out[y - 1] if y else np.zeros_like(line)
-        if f in (0, 2):
-            out[y] = (line + (up if f == 2 else 0)) % 256
-            continue
-        row = np.zeros_like(line)
-        for x in range(len(line)):
-            a = row[x - bpp] if x >= bpp else 0
-            c = up[x - bpp] if x >= bpp else 0
-            pred = {1: a, 3: (a + up[x]) // 2}.get(f)
-            if pred is None:  # Paeth
-                p = a + up[x] - c
-                pa, pb, pc = abs(p - a), abs(p - up[x]), abs(p - c)
-                pred = a if pa <= pb and pa <= pc else (up[x] if pb <= pc else c)
-            row[x] = (line[x] + pred) % 256
-        out[y] = row
-    return out.reshape(height, width, bpp)[:, :, :3]
-
-
-def _chromium() -> str | None:
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
-
-
-@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine (apt-get install chromium)")
+@pytest.mark.skipif(chromium() is None, reason="no Chromium on this machine (apt-get install chromium)")
 def test_report_renders_in_headless_chromium(traced, tmp_path: Path) -> None:
     plan, _, trace = traced
     page, shot = tmp_path / "report.html", tmp_path / "report.png"
     page.write_text(report_html(plan, trace, comparison(plan, trace)))
-    subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--screenshot={shot}", "--window-size=1200,4000", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)
-    pixels = _png_pixels(shot)
-    for colour in ("3b7dd8", "e8862a"):  # compute and communication slices of the timelines
-        rgb = np.array([int(colour[i:i + 2], 16) for i in (0, 2, 4)])
-        assert (np.abs(pixels - rgb).sum(axis=2) < 12).sum() > 200, colour
-    assert (pixels.sum(axis=2) < 200).sum() > 5000  # text of the tables
+    screenshot(page, shot)
+    pixels = png_pixels(shot)
+    assert pixels_of(pixels, COMPUTE_RGB) > 200 and pixels_of(pixels, COMMUNICATION_RGB) > 200  # the timelines
+    assert dark_pixels(pixels) > 5000  # text of the tables
 
 
 def test_cli_trace_and_report(plans: dict[str, Plan], traced, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
