@@ -32,7 +32,8 @@ def main() -> int:
     png = page.with_suffix(".png")
     screenshot(page, png)
     pixels = png_pixels(png)
-    result = {"page": str(page), "screenshot": str(png), "size": list(pixels.shape[:2]),
+    rel = lambda p: str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)
+    result = {"page": rel(page), "screenshot": rel(png), "size": list(pixels.shape[:2]),
               "compute_pixels": pixels_of(pixels, COMPUTE_RGB), "communication_pixels": pixels_of(pixels, COMMUNICATION_RGB),
               "dark_pixels": dark_pixels(pixels), "timelines": html.count('class="timeline"'),
               "tables": html.count("<table"), "external_references": re.findall(EXTERNAL, html)}
