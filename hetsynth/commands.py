@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from hetsynth import capture_model
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
@@ -108,22 +109,35 @@ def run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", help="continue from a checkpoint (any plan's) up to --steps, which must be "
                                     "more than the checkpoint's step")
     p.add_argument("--report", help="write the run's JSON report here")
+    p.add_argument("--trace", help="time every instruction of the last --trace-steps steps on every rank and write "
+                                   "them as one Chrome trace here, and predicted vs measured seconds per "
+                                   "instruction beside it (X.instructions.json)")
+    p.add_argument("--trace-steps", type=int, default=1, help="steps traced with --trace (after the others)")
 
 
 def run_run(args: argparse.Namespace) -> int:
     import hetsynth
     from instruction_set.plan import load_plan
-    from runtime.launch import RunOptions, preflight, run
+    from hetsynth.view_commands import raw_trace_dir, trace_outputs, write_run_trace
+    from runtime.launch import RunOptions, preflight, run, runs_here
 
     plan, path = load_plan(args.plan), args.plan
-    opts = RunOptions(train=train_config(args), timeout_s=args.timeout,
-                      check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
-                      report=args.report)
-    preflight(plan, opts)  # output paths and checkpoint, before any planning or training
-    if args.devices is not None and args.devices != plan.cluster.num_devices:
-        plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
-        print(f"planned {plan.model.ref} again for the first {args.devices} devices")
-    return run(plan, path, opts)
+    check_outputs({"--save": args.save, "--report": args.report, **trace_outputs(args.trace)})
+    if args.trace and not runs_here(plan.cluster):
+        raise ValueError(f"--trace {args.trace!r}: cluster {plan.cluster.name!r} has {len(plan.cluster.nodes)} nodes "
+                         f"and no emulation section, so its ranks run elsewhere; --trace needs a run on this machine")
+    with raw_trace_dir(args.trace) as raw:
+        opts = RunOptions(train=train_config(args), timeout_s=args.timeout,
+                          check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
+                          report=args.report, trace_raw=raw, trace_steps=args.trace_steps)
+        preflight(plan, opts)  # output paths and checkpoint, before any planning or training
+        if args.devices is not None and args.devices != plan.cluster.num_devices:
+            plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
+            print(f"planned {plan.model.ref} again for the first {args.devices} devices")
+        rc = run(plan, path, opts)
+        if raw is not None and len(list(Path(raw).glob("rank*.json"))) == plan.cluster.num_devices:
+            write_run_trace(plan, raw, args.trace)  # every rank trained (also when --check then failed)
+    return rc
 
 
 def explain_args(p: argparse.ArgumentParser) -> None:
@@ -179,6 +193,7 @@ def demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps of each plan before timing")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of 2 steps of each plan")
     p.add_argument("--tolerance", type=float, default=1e-4, help="relative loss difference (float32)")
+    p.add_argument("--out", default="demo-output", help="directory for the plan, its traces and its HTML report")
 
 
 def demo_run(args: argparse.Namespace) -> int:
@@ -207,6 +222,8 @@ def cleanup_run(args: argparse.Namespace) -> int:
     return 0
 
 
+from hetsynth.view_commands import report_args, report_run, trace_args, trace_run  # noqa: E402
+
 COMMANDS = {
     "inspect": (inspect_args, inspect_run),
     "plan": (plan_args, plan_run),
@@ -215,4 +232,6 @@ COMMANDS = {
     "profile": (profile_args, profile_run),
     "demo": (demo_args, demo_run),
     "cleanup": (cleanup_args, cleanup_run),
+    "trace": (trace_args, trace_run),
+    "report": (report_args, report_run),
 }

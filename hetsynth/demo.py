@@ -11,7 +11,11 @@ Steps:
      (profiling.model_timing), synthesize the plan and the DP-EV baseline (even batch split);
   3. train both on the same workers, interleaved (runtime.compare), and print the median step
      times, the speed-up and the prediction;
-  4. train the single-device model as many steps and compare every step's global loss.
+  4. train the single-device model as many steps and compare every step's global loss;
+  5. write the plan, its predicted and measured traces (hetsynth's plan is also run traced in
+     every round, runtime.compare --traced; the step times with and without tracing are
+     printed) and the HTML report of the plan (hetsynth.report_html) to `--out`, and print
+     the report's path.
 Exit status 1 when the losses differ by more than the tolerance.
 """
 
@@ -62,7 +66,8 @@ def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
                                progress=False, with_baselines=False)}
 
 
-def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace) -> dict:
+def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace,
+            raw: Path) -> dict:
     from runtime.launch import launch_checked
 
     paths = []
@@ -72,7 +77,8 @@ def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: a
     report = workdir / "compare.json"
     launch_checked(cluster, ["-m", "runtime.compare", "--plans", *paths, "--names", *plans,
                              "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                             "--steps", "2", "--report", str(report)], "the demo run")
+                             "--steps", "2", "--report", str(report), "--traced", "hetsynth",
+                             "--trace-raw", str(raw)], "the demo run")
     return json.loads(report.read_text())
 
 
@@ -82,11 +88,13 @@ def parity(model: str, measured: dict, tolerance: float) -> bool:
     from runtime.config import TrainConfig
     from runtime.train import reference_training
 
-    steps = max(len(m["losses"]) for m in measured.values())
+    steps = max(len(m["losses"]) for name, m in measured.items() if name != "traced")
     spec = parse_model_ref(model)
     expected, _ = reference_training(spec, spec.batch_size, TrainConfig(steps=steps))
     ok = True
     for name, m in measured.items():
+        if name == "traced":
+            continue
         err = max(abs(g - w) / abs(w) for g, w in zip(m["losses"], expected))
         ok &= err <= tolerance
         print(f"{name:9s} {len(m['losses'])} steps: largest relative loss difference {err:.2e} "
@@ -98,6 +106,7 @@ def parity(model: str, measured: dict, tolerance: float) -> bool:
 def run_demo(args: argparse.Namespace) -> int:
     from runtime import emulation
 
+    outputs = demo_outputs(args.out)
     cluster, source = demo_cluster(args)
     _section(f"cluster ({source})")
     print(cluster_summary_text(cluster_summary(cluster)))
@@ -111,10 +120,46 @@ def run_demo(args: argparse.Namespace) -> int:
     from runtime.launch import recorded_run
 
     with recorded_run() as (_, tmp):  # removed by the next command even if the demo is killed
-        measured = compare(cluster, plans, tmp, args)
-    het, ev = measured["hetsynth"]["median_s"], measured["DP-EV"]["median_s"]
-    print(f"median step: hetsynth {het:.3f} s (predicted {plans['hetsynth'].predicted.step_time_s:.3f} s), "
-          f"DP-EV {ev:.3f} s (predicted {plans['DP-EV'].predicted.step_time_s:.3f} s)")
-    print(f"measured speed-up over DP-EV: {ev / het:.2f}x")
-    _section("parity with single-device training")
-    return 0 if parity(args.model, measured, args.tolerance) else 1
+        raw = tmp / "trace"
+        raw.mkdir(mode=0o777)
+        measured = compare(cluster, plans, tmp, args, raw)
+        het, ev = measured["hetsynth"]["median_s"], measured["DP-EV"]["median_s"]
+        print(f"median step: hetsynth {het:.3f} s (predicted {plans['hetsynth'].predicted.step_time_s:.3f} s), "
+              f"DP-EV {ev:.3f} s (predicted {plans['DP-EV'].predicted.step_time_s:.3f} s)")
+        print(f"measured speed-up over DP-EV: {ev / het:.2f}x")
+        traced = measured["traced"]["median_s"]
+        print(f"hetsynth traced (every instruction timed): median step {traced:.3f} s, {traced / het:.3f}x untraced")
+        _section("parity with single-device training")
+        ok = parity(args.model, measured, args.tolerance)
+        _section("report")
+        write_outputs(plans["hetsynth"], raw, outputs)
+    return 0 if ok else 1
+
+
+def demo_outputs(out: str) -> dict[str, Path]:
+    """The files the demo writes into `out` (created), checked before any work."""
+    from runtime.outputs import check_outputs
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    names = {"plan": "plan.json", "predicted": "predicted.json", "measured": "measured.json",
+             "comparison": "measured.instructions.json", "report": "report.html"}
+    return check_outputs({f"--out ({k})": Path(out) / v for k, v in names.items()})
+
+
+def write_outputs(plan: Plan, raw: Path, outputs: dict[str, Path]) -> None:
+    """The plan, its traces and its report; prints what was written, the report last."""
+    from hetsynth.measured import comparison, measured_trace, read_raw
+    from hetsynth.report_html import report_html
+    from hetsynth.trace import predicted_trace
+
+    path = lambda key: outputs[f"--out ({key})"]
+    save_plan(plan, path("plan"))
+    path("predicted").write_text(json.dumps(predicted_trace(plan)))
+    trace = measured_trace(plan, read_raw(raw, plan.cluster.num_devices))
+    path("measured").write_text(json.dumps(trace))
+    result = comparison(plan, trace)
+    path("comparison").write_text(json.dumps(result, indent=1))
+    path("report").write_text(report_html(plan, trace, result))
+    print(f"wrote {path('plan')}, {path('predicted').name} and {path('measured').name} (Chrome traces: Perfetto, "
+          f"chrome://tracing), {path('comparison').name}")
+    print(f"report: {path('report')}")

@@ -58,6 +58,7 @@ class RankProgram:
     params: list[LocalParam]
     inputs: list[tuple[str, str]]  # (graph input name, layout) in placeholder order
     updates: list[str] = field(default_factory=list)  # buffer attributes the outputs after the loss update
+    ends: list[tuple[int, str]] = field(default_factory=list)  # (instruction index, name of its last fx node)
 
 
 class FxBuilder:
@@ -182,11 +183,15 @@ class _Emitter:
             raise MissingImplementation(
                 "cannot run this plan: no codegen for instruction kind " + ", ".join(
                     f"{k!r} ({p})" for k, p, _ in missing) + f"; codegen exists for: {EMITTERS.registered()}")
-        for ins in self.plan.instructions:
+        ends = []
+        for index, ins in enumerate(self.plan.instructions):
+            before = len(self.graph.nodes)
             EMITTERS.get(ins.kind, phase=ins.phase)(self, ins)
+            if len(self.graph.nodes) > before and ins.kind not in ("param", "buffer", "input"):
+                ends.append((index, next(iter(reversed(self.graph.nodes))).name))
         self.graph.output((self.env[(self.plan.graph.loss, "P")], *[v for _, v in self.updates]))
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
-        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates])
+        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates], ends)
 
 
 def _built_with_its_linear(emitter: _Emitter, ins: Instruction) -> None:

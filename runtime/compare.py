@@ -10,6 +10,11 @@ steps. Rank 0 writes {plan name: {"step_seconds": [...], "median_s": ..., "losse
 loss of every step, warm-up included, in step order], "phases_by_rank": [each rank's median
 seconds per phase: data, forward, backward, gradient_sync, update, loss], "wire_bytes_per_step":
 ...}}.
+
+`--traced NAME` also runs, in every round right after plan NAME's steps, as many steps of NAME
+with every instruction timed (runtime.timing), on the same trainer: the report's "traced"
+entry holds their step times next to the untraced ones of the same rounds (the cost of
+tracing, interleaved), and every rank writes its raw record to `--trace-raw DIR`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +35,7 @@ from runtime.config import TrainConfig
 from runtime.emulation import IFACE
 from runtime.groups import Groups
 from runtime.rank import run_rank
+from runtime.timing import StepTracer
 from runtime.train import Trainer, local_batch, setup, train_step
 
 
@@ -50,15 +57,17 @@ def _wire(groups: Groups, before: int | None) -> int:
     return int(total.item())
 
 
-def _steps(trainer: Trainer, first: int, count: int, phases: list | None = None) -> list[tuple[float, float]]:
-    """(seconds, global loss) of `count` steps from step `first`; each step's phase
-    seconds on this rank are appended to `phases`."""
+def _steps(trainer: Trainer, first: int, count: int, phases: list | None = None,
+           tracer: StepTracer | None = None) -> list[tuple[float, float]]:
+    """(seconds, global loss) of `count` steps from step `first` (traced by `tracer` if
+    given); each step's phase seconds on this rank are appended to `phases`."""
     batches = [local_batch(trainer, first + i) for i in range(count)]  # prefetched, not timed
     # start the timed steps together: a slow device makes its batches long after a fast one,
     # whose first step would otherwise time that wait (on the emulated cluster 1.5-2.3 s
     # against a 0.1 s step for 8192 tokens of a GPT MLP)
     dist.barrier()
-    logs = [train_step(trainer, first + i, inputs) for i, inputs in enumerate(batches)]
+    step = tracer.step if tracer is not None else lambda s, inputs: train_step(trainer, s, inputs)
+    logs = [step(first + i, inputs) for i, inputs in enumerate(batches)]
     if phases is not None:
         phases += [log.phases for log in logs]
     return [(log.seconds, log.loss) for log in logs]
@@ -76,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="steps per plan per round")
     p.add_argument("--report", required=True)
+    p.add_argument("--traced", help="the plan whose steps are also run traced, interleaved (module docstring)")
+    p.add_argument("--trace-raw", help="directory for every rank's raw record of the traced steps")
     args = p.parse_args(argv)
     return run_rank(lambda rank, device: compare(rank, args), timeout_s=300, device=torch.device("cpu"))
 
@@ -92,6 +103,8 @@ def compare(rank: int, args: argparse.Namespace) -> None:
     phases: dict[str, list[dict]] = {n: [] for n in trainers}
     wire: dict[str, int] = {n: 0 for n in trainers}
     step = {n: 0 for n in trainers}
+    tracer = StepTracer(trainers[args.traced]) if args.traced else None
+    traced: list[float] = []
     for name, trainer in trainers.items():
         losses[name] += [loss for _, loss in _steps(trainer, 0, args.warmup)]
         step[name] = args.warmup
@@ -103,15 +116,26 @@ def compare(rank: int, args: argparse.Namespace) -> None:
             losses[name] += [loss for _, loss in logs]
             wire[name] += _wire(trainer.groups, before)
             step[name] += args.steps
+            if name == args.traced:
+                logs = _steps(trainer, step[name], args.steps, tracer=tracer)
+                traced += [seconds for seconds, _ in logs]
+                losses[name] += [loss for _, loss in logs]
+                step[name] += args.steps
     mine = {n: _median_phases(p) for n, p in phases.items()}
     every = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, every, dst=0)
+    if tracer is not None and args.trace_raw:
+        Path(args.trace_raw, f"rank{rank}.json").write_text(json.dumps(tracer.record()))
     if rank == 0:
         steps = args.rounds * args.steps
+        report: dict = {n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
+                            "phases_by_rank": [e[n] for e in every],
+                            "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}
+        if tracer is not None:
+            report["traced"] = {"name": args.traced, "step_seconds": traced, "median_s": statistics.median(traced),
+                                "untraced_step_seconds": times[args.traced]}
         with open(args.report, "w") as f:
-            json.dump({n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
-                           "phases_by_rank": [e[n] for e in every],
-                           "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}, f)
+            json.dump(report, f)
 
 
 if __name__ == "__main__":

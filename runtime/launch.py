@@ -69,6 +69,8 @@ class RunOptions:
     resume: str | None = None
     report: str | None = None
     quiet: bool = False
+    trace_raw: str | None = None   # directory for the ranks' raw instruction times (runtime.timing)
+    trace_steps: int = 1           # the last N steps are traced
 
     @property
     def steps(self) -> int:
@@ -83,6 +85,9 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
         raise ValueError(f"--steps {opts.steps}: give at least 1")
     if not (math.isfinite(opts.timeout_s) and opts.timeout_s > 0):
         raise ValueError(f"--timeout {opts.timeout_s:g}: give a positive number of seconds")
+    if opts.trace_raw is not None and not 1 <= opts.trace_steps < opts.steps:
+        raise ValueError(f"--trace-steps {opts.trace_steps} with --steps {opts.steps}: trace at least 1 step "
+                         f"and leave at least 1 step before them to warm up (--steps > --trace-steps)")
     check_outputs({"--save": opts.save, "--report": opts.report})
     if opts.resume:
         check_resume(read_checkpoint(opts.resume), opts.resume, plan, opts.train, opts.steps)
@@ -100,6 +105,7 @@ def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str |
     args += ["--params-out", params_out] if params_out else []
     args += ["--save", opts.save] if opts.save else []
     args += ["--resume", opts.resume] if opts.resume else []
+    args += ["--trace-raw", opts.trace_raw, "--trace-steps", str(opts.trace_steps)] if opts.trace_raw else []
     return args + (["--quiet"] if opts.quiet else [])
 
 

@@ -5,6 +5,9 @@ Reads RANK / WORLD_SIZE / LOCAL_RANK from torchrun, initialises the default proc
 the plan, trains, and on rank 0 logs a line per step (`--quiet`: none) and writes a JSON report.
 Any failure logs `rank N failed: ...` on stderr and exits 1, so torchrun stops the others.
 
+With `--trace-raw DIR`, the last `--trace-steps` steps (never the first one run) are traced
+(runtime.timing: every instruction timed) and every rank writes DIR/rank<N>.json.
+
 For tests of the failure paths, `HETSYNTH_FAULT=<rank>:<step>:<kind>` makes that rank, at
 the start of that step, SIGKILL itself (`kill`), SIGSTOP itself (`stop`: a stuck rank) or
 raise an error (`raise`).
@@ -19,6 +22,7 @@ import os
 import signal
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from runtime.config import add_train_arguments, train_config
 from runtime.groups import Groups
 from runtime.outputs import check_outputs
 from runtime.rank import run_rank
+from runtime.timing import StepTracer
 from runtime.train import Trainer, assemble, local_parameters, model_buffers, setup, train_step
 
 log = logging.getLogger("runtime.worker")  # not __name__: this module runs as __main__ under torchrun
@@ -45,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", help="checkpoint at the end (labelled with the steps it holds)")
     p.add_argument("--resume", help="checkpoint to start from")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--trace-raw", help="directory: every rank writes rank<N>.json, the times of every "
+                                       "instruction of the traced steps (runtime.timing)")
+    p.add_argument("--trace-steps", type=int, default=1, help="the last N steps are traced")
     return p.parse_args(argv)
 
 
@@ -65,12 +73,13 @@ def _inject(rank: int, step: int) -> None:
     os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[kind])
 
 
-def _train(trainer: Trainer, args: argparse.Namespace, start: int) -> list[dict]:
+def _train(trainer: Trainer, args: argparse.Namespace, start: int, tracer: StepTracer | None) -> list[dict]:
     rank = trainer.groups.rank
     steps = []
     for step in range(start, args.steps):
         _inject(rank, step)
-        entry = train_step(trainer, step)
+        traced = tracer is not None and step >= max(args.steps - args.trace_steps, start + 1)
+        entry = tracer.step(step) if traced else train_step(trainer, step)
         steps.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
         if rank == 0 and not args.quiet:
             log.info("step %4d/%d  loss %.6f  %8.1f ms", step + 1, args.steps, entry.loss, entry.seconds * 1e3)
@@ -110,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
         if rank == 0 and args.resume and not args.quiet:
             log.info("resumed from %s (step %d): training steps %d-%d", args.resume, start, start + 1, args.steps)
-        _finish(trainer, args, _train(trainer, args, start), start)
+        tracer = StepTracer(trainer) if args.trace_raw else None
+        _finish(trainer, args, _train(trainer, args, start, tracer), start)
+        if tracer is not None:
+            Path(args.trace_raw, f"rank{rank}.json").write_text(json.dumps(tracer.record()))
 
     return run_rank(body, timeout_s=args.timeout)
 

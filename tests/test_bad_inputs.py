@@ -83,6 +83,16 @@ def _ratios(raw: dict, values: Callable[[list[float]], list[float]]) -> None:
     raw["sharding_ratios"] = values(raw["sharding_ratios"])
 
 
+def _file(tmp: Path, name: str, text: str) -> str:
+    (tmp / name).write_text(text)
+    return str(tmp / name)
+
+
+def _same(tmp: Path, base: dict) -> str:
+    """The valid plan, as a file."""
+    return _plan(tmp, base, lambda raw: None)
+
+
 def _out(tmp: Path) -> str:
     """An output path in an existing directory (a missing one is itself an error, checked first)."""
     (tmp / "out").mkdir(exist_ok=True)
@@ -151,6 +161,29 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
      "are not the plan's sharding ratios rounded"),
     ("lengths missing", lambda t, p: ["explain", _plan(t, p, lambda r: r["shards"].clear())], "the shard table has no lengths for"),
     ("mesh", lambda t, p: ["explain", _plan(t, p, lambda r: r.update(mesh=[3, 5]))], "mesh [3, 5]: 3 x 5 must equal the cluster's 4 devices"),
+    # traces and reports (issue 19)
+    ("trace: no plan", lambda t, p: ["trace", f"{t}/missing.json", "-o", _out(t)], "missing.json' does not exist"),
+    ("trace: no -o dir", lambda t, p: ["trace", _same(t, p), "-o", f"{t}/nodir/p.json"], "nodir' does not exist"),
+    ("report: -o dir", lambda t, p: ["report", _same(t, p), "-o", str(t)], "is a directory"),
+    ("report: no measured", lambda t, p: ["report", _same(t, p), "--measured", f"{t}/m.json", "-o", _out(t)],
+     "--measured '" + "{t}/m.json': no such file"),
+    ("report: measured not JSON", lambda t, p: ["report", _same(t, p), "--measured", _file(t, "m.json", "{"),
+                                                "-o", _out(t)], "m.json': not JSON"),
+    ("report: predicted as measured", lambda t, p: [
+        "report", _same(t, p), "--measured", _file(t, "m.json", '{"traceEvents": [], "otherData": {"hetsynth": "predicted"}}'),
+        "-o", _out(t)], "m.json': not a measured trace"),
+    ("report: other plan's trace", lambda t, p: [
+        "report", _same(t, p), "--measured",
+        _file(t, "m.json", '{"traceEvents": [], "otherData": {"hetsynth": "measured", "plan_digest": "0123"}}'),
+        "-o", _out(t)], "a trace of another plan (plan digest '0123'"),
+    ("run: trace steps", lambda t, p: ["run", _same(t, p), "--steps", "2", "--trace-steps", "2", "--trace",
+                                       f"{_out(t)}.trace"], "--trace-steps 2 with --steps 2"),
+    ("run: no --trace dir", lambda t, p: ["run", _same(t, p), "--steps", "2", "--trace", f"{t}/nodir/m.json"],
+     "--trace '" + "{t}/nodir/m.json': directory"),
+    ("run: --trace elsewhere", lambda t, p: ["run", _plan(t, p, lambda r: r["cluster"].update(emulation=None)), "--steps",
+                                             "2", "--trace", _out(t)], "--trace needs a run on this machine"),
+    ("run: --trace is --report", lambda t, p: ["run", _same(t, p), "--steps", "2", "--trace", _out(t),
+                                               "--report", _out(t)], "name the same file"),
 ]
 
 
@@ -164,6 +197,7 @@ def test_bad_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], 
                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "m.py").write_text(MODEL)
     args = argv(tmp_path, valid_plan)
+    needle = needle.replace("{t}", str(tmp_path))
     before = sorted(tmp_path.rglob("*"))
     start = time.perf_counter()
     assert main(args) == 2
