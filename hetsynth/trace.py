@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cost_models.terms import Cost, Form, seconds
 from instruction_set.plan import Plan, PlanError
 from instruction_set.program import Instruction
 
@@ -112,15 +113,25 @@ def predicted_instructions(plan: Plan) -> list[InstructionTimes]:
         term = instruction_term(pb, ins, x_layouts)
         if term is None:
             continue
-        per_class = term.time.per_device(term.shares)
+        per_class = _per_class_seconds(term.time, plan, index)
         out.append(InstructionTimes(index, instruction_name(plan, index), lane_of(ins), expand(per_class),
                                     max(per_class), instruction_args(plan, index, pb.meta(ins.tensor).nbytes)))
     step = step_term(pb)
-    step_s = step.time.at(step.shares)
+    step_s = seconds(step.time)
     out.append(InstructionTimes(None, STEP_SCALARS, COMMUNICATION, (step_s,) * plan.cluster.num_devices, step_s,
                                 {"predicted_s": step_s}))
     _check_totals(plan, out)
     return out
+
+
+def _per_class_seconds(cost: Cost, plan: Plan, index: int) -> list[float]:
+    """Seconds of each device class of an instruction that is one bulk-synchronous form (every
+    instruction of today's plans); an instruction whose work overlaps is refused, naming it."""
+    if not isinstance(cost, Form):
+        raise ValueError(f"instruction {index} ({instruction_name(plan, index)}): its cost is a "
+                         f"{type(cost).__name__} of forms; the trace lays out one form per instruction")
+    values = cost.cost.per_device(cost.shares.values)
+    return values if cost.devices is None else [values[i] if i in cost.devices else 0.0 for i in range(len(values))]
 
 
 def device_totals(times: list[InstructionTimes], num_devices: int) -> tuple[list[float], float]:
