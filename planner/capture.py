@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from instruction_set.args import decode_arg, encode_arg, refs_in
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from instruction_set.interpret import RUN_AS
 from instruction_set.models import ModelSpec
 from instruction_set.rules import is_supported
 from planner.lower import Lowered, LoweringError, lower, place
@@ -222,7 +223,8 @@ def _call(node: fx.Node, replay: _Replay) -> Node:
     target = target_name(node.target)
     where = place(node)
     try:
-        out, fwd, bwd = replay.run(node.target, args, kwargs, _cache_key(target, args, kwargs, replay))
+        call = RUN_AS.get(target, node.target)  # a view as the runtime runs it: meta strides differ
+        out, fwd, bwd = replay.run(call, args, kwargs, _cache_key(target, args, kwargs, replay))
     except Exception:  # op without a meta kernel: fall back to export's shapes, no FLOPs
         out, fwd, bwd = _from_export_meta(node.meta.get("val")), 0.0, 0.0
     replay.env[node.name] = out

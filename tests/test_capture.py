@@ -59,6 +59,10 @@ def test_nodes_carry_module_path_source_and_grad_flags() -> None:
     assert linears[0].out.requires_grad and linears[0].flops_fwd > 0 and linears[0].flops_bwd > 0
     ne = next(n for n in graph.calls if n.target == "aten.ne.Scalar")
     assert not ne.out.requires_grad and ne.out.dtype == "bool"
+    # views replay as the runtime runs them (reshapes): the view of the permuted attention
+    # output keeps its gradient, so the output projection's backward counts dX as well as dW
+    views = [n for n in graph.calls if n.target == "aten.view.default" and n.out.requires_grad]
+    assert len(views) >= 8 and all(n.flops_bwd == 2 * n.flops_fwd for n in linears)
 
 
 @torch.library.custom_op("hetsynth_test::spectral", mutates_args=())

@@ -59,6 +59,22 @@ def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -
     assert saved[1]["optimizer"]["kind"] == "adamw" and saved[1]["optimizer"]["settings"]["lr"] == 1e-3
 
 
+def test_float32_run_resumed_with_check(tmp_path: Path) -> None:
+    """A float32 plan resumed with --check: its float64 twin and the single-device references
+    resume from the same checkpoint (cast to float64 for the twin), so the comparison stays at
+    1e-9 although the checkpoint holds float32 values."""
+    two = tmp_path / "two.json"
+    hetsynth.save_plan(hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "local-emulated.toml"),
+                                     ratios=[0.7, 0.3], num_devices=2), two)
+    ckpt = tmp_path / "ck1.pt"
+    out = hetsynth_cli("run", str(two), "--steps", "1", "--save", str(ckpt))
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = hetsynth_cli("run", str(two), "--steps", "2", "--resume", str(ckpt), "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "training steps 2-2" in out.stdout and "check (information) float32" in out.stdout
+    assert "check: float64" in out.stdout and "OK" in out.stdout
+
+
 def test_killed_rank_is_named_and_nothing_is_left(plan_file: str) -> None:
     start = time.monotonic()
     out = hetsynth_cli("run", plan_file, "--steps", "40", "--timeout", "30", env={"HETSYNTH_FAULT": "1:2:kill"})

@@ -14,6 +14,8 @@ mesh that plan trains for real and matches single-device training in float64.
 
 from __future__ import annotations
 
+import datetime
+
 import functools
 from pathlib import Path
 
@@ -68,8 +70,9 @@ def dry_run(plan: Plan) -> None:
     for rank in sample_ranks(groups_mesh(plan)):
         dist.init_process_group("fake", rank=rank, world_size=world, store=fake_pg.FakeStore())
         try:
-            program = build_rank_program(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD),
-                                         state=state)
+            groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD,
+                                   timeout=datetime.timedelta(seconds=60))  # the fake group has no options
+            program = build_rank_program(plan, groups, state=state)
             names = [n.name for n in plan.graph.nodes if n.op == "input"]
             inputs = [spec.make_batch(list(rank_rows(plan, name, layout, rank, batch)), seed=1)[names.index(name)]
                       for name, layout in program.inputs]
