@@ -33,7 +33,9 @@ done = time.perf_counter()
 print(json.dumps({{"capture_s": captured - start, "plan_s": done - captured, "total_s": done - start,
                   "ops": len(graph.calls), "params": graph.num_params, "states": plan.synthesis.states_expanded,
                   "predicted_s": plan.predicted.step_time_s,
-                  "baselines": {{k: v.step_time_s for k, v in plan.baselines.items()}}}}))
+                  "max_memory_gib": max(d.memory_gib for d in plan.predicted.devices),
+                  "baselines": {{k: {{"step_time_s": v.step_time_s, "fits": v.fits, "max_memory_gib": v.max_memory_gib}}
+                                for k, v in plan.baselines.items()}}}}))
 """
 
 
