@@ -14,6 +14,7 @@ import pytest
 
 import hetsynth
 from hetsynth.cli import main
+from runtime.runstate import remove_dead_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
@@ -199,6 +200,7 @@ def test_bad_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], 
     args = argv(tmp_path, valid_plan)
     needle = needle.replace("{t}", str(tmp_path))
     before = sorted(tmp_path.rglob("*"))
+    remove_dead_runs()  # a run an earlier test killed would otherwise put its clean-up note first
     start = time.perf_counter()
     assert main(args) == 2
     err = capsys.readouterr().err
