@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetsynth import capture_model
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
 from runtime.config import add_train_arguments, train_config
 from runtime.outputs import check_outputs
+
+if TYPE_CHECKING:
+    from runtime.launch import RunResult
 
 
 def _print_json(data: object) -> None:
@@ -134,10 +139,23 @@ def run_run(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices != plan.cluster.num_devices:
             plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
-        rc = run(plan, path, opts)
+        rc = show_run(run(plan, path, opts))
         if raw is not None and len(list(Path(raw).glob("rank*.json"))) == plan.cluster.num_devices:
             write_run_trace(plan, raw, args.trace)  # every rank trained (also when --check then failed)
     return rc
+
+
+def show_run(result: "RunResult") -> int:
+    """Print what `runtime.launch.run` did; its exit status."""
+    if result.node_commands is not None:
+        print(result.node_commands)
+    if result.failure is not None:
+        print(f"hetsynth run: {result.failure}", file=sys.stderr)
+    for r in result.comparisons[:-1]:
+        print(f"check (information) {r.describe()}: {'within' if r.ok else 'beyond'} {r.dtype} tolerance")
+    if result.checked is not None and result.failure is None:
+        print(f"check: {result.checked.describe()}: {'OK' if result.checked.ok else 'FAILED'}")
+    return result.rc
 
 
 def explain_args(p: argparse.ArgumentParser) -> None:

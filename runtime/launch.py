@@ -324,10 +324,26 @@ def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str)
     return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances)
 
 
+@dataclass(frozen=True)
+class RunResult:
+    """What `run` did; the caller decides what to print. `failure` says why the run (or the
+    float64 twin of --check) stopped; `comparisons` holds --check's figures, the last one decides;
+    `node_commands` is set instead when the plan's ranks run elsewhere."""
+
+    rc: int
+    failure: str | None = None
+    comparisons: tuple[Comparison, ...] = ()
+    node_commands: str | None = None
+
+    @property
+    def checked(self) -> Comparison | None:
+        return self.comparisons[-1] if self.comparisons else None
+
+
 def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
-           dtype: str | None) -> tuple[int, str, str]:
+           dtype: str | None) -> tuple[RunResult, str, str]:
     """One run of the plan (in `dtype`, None: as planned) in its own directory under the run's
-    work directory; (exit status, report, parameters and buffers)."""
+    work directory; (its result, report, parameters and buffers)."""
     tag = dtype or "plan"
     (workdir / tag).mkdir()
     report = opts.report if opts.report and dtype is None else str(workdir / tag / "report.json")
@@ -337,40 +353,35 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     rc, failure = launch_in(record, workdir / tag, plan.cluster,
                             worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype),
                             timeout_s=opts.timeout_s)
-    if rc != 0:
-        print(f"hetsynth run: {failure or f'exit status {rc}'}; the other ranks were stopped "
-              f"({time.monotonic() - started:.1f} s after the start)", file=sys.stderr)
-    return rc, report, params_out
+    if rc == 0:
+        return RunResult(0), report, params_out
+    why = f"{failure or f'exit status {rc}'}; the other ranks were stopped ({time.monotonic() - started:.1f} s after the start)"
+    return RunResult(rc, failure=why), report, params_out
 
 
 def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
-           first: tuple[str, str]) -> int:
+           first: tuple[str, str]) -> RunResult:
     """Compare the run as planned (information unless float64) and the float64 twin (decides)."""
     results = [_compare(plan, opts, *first, plan.model.dtype)]
     if plan.model.dtype != "float64":
-        print("check: running the plan's float64 twin (same program, float64 tensors)", flush=True)
-        rc, report, params = _train(plan, plan_path, opts, record, workdir, "float64")
-        if rc != 0:
-            return rc
+        log.info("check: running the plan's float64 twin (same program, float64 tensors)")
+        twin, report, params = _train(plan, plan_path, opts, record, workdir, "float64")
+        if twin.rc != 0:
+            return dataclasses.replace(twin, comparisons=tuple(results))
         results.append(_compare(plan, opts, report, params, "float64"))
-    for r in results[:-1]:
-        print(f"check (information) {r.describe()}: {'within' if r.ok else 'beyond'} {r.dtype} tolerance")
-    final = results[-1]
-    print(f"check: {final.describe()}: {'OK' if final.ok else 'FAILED'}")
-    return 0 if final.ok else 1
+    return RunResult(0 if results[-1].ok else 1, comparisons=tuple(results))
 
 
-def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> int:
+def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> RunResult:
     """Train `plan` (saved at `plan_path`, or None: it is saved in the run's work directory)."""
     if not runs_here(plan.cluster):
-        print("\n\n".join(node_commands(plan, plan_path or "plan.json", opts)))
-        return 0
+        return RunResult(0, node_commands="\n\n".join(node_commands(plan, plan_path or "plan.json", opts)))
     preflight(plan, opts)
     with recorded_run() as (record, workdir):
         if plan_path is None:
             plan_path = str(workdir / "plan.json")
             save_plan(plan, plan_path)
-        rc, report, params = _train(plan, plan_path, opts, record, workdir, None)
-        if rc != 0 or not opts.check:
-            return rc
+        result, report, params = _train(plan, plan_path, opts, record, workdir, None)
+        if result.rc != 0 or not opts.check:
+            return result
         return _check(plan, plan_path, opts, record, workdir, (report, params))
