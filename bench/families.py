@@ -56,7 +56,7 @@ def plan(graph: Any) -> tuple[Any, dict]:
     cluster = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml").first(4)
     start = time.perf_counter()
     result = make_plan(graph, cluster, progress=False, with_baselines=False)
-    split = sum(1 for i in result.instructions if i.kind == "compute" and "S" in i.layout)
+    split = sum(1 for i in result.instructions if i.kind == "compute" and i.layout.is_shard)
     computes = sum(1 for i in result.instructions if i.kind == "compute")
     return result, {"plan_s": time.perf_counter() - start, "ratios": [round(r, 3) for r in result.sharding_ratios],
                     "predicted_ms": result.predicted.step_time_s * 1e3, "split_ops": f"{split}/{computes}"}

@@ -8,24 +8,24 @@ the rank's shard table: every split tensor's local shape and where its slice sta
 from __future__ import annotations
 
 from hetsynth.report import table
-from instruction_set.layouts import is_shard
 from instruction_set.plan import Plan, PlanError
-from instruction_set.shards import rank_offset
-from runtime.codegen import build_rank_program, groups_mesh, local_shape
+from instruction_set.shards import MeshLayout
+from runtime.codegen import build_rank_program, local_shape
 from runtime.groups import Groups
 
 
 def shard_rows(plan: Plan, rank: int) -> list[list[str]]:
-    mesh = groups_mesh(plan)
+    mesh = plan.mesh
     rows = []
     for tensor, layouts in plan.shards.items():
         shape = plan.graph.node(tensor).outputs[0].shape
         for layout, dims in layouts.items():
-            if not is_shard(layout):
+            if not layout.is_shard:
                 continue
             local = local_shape(plan, tensor, layout, rank, shape)
-            starts = ", ".join(f"dim {d} from {rank_offset(ls, layout, d, mesh, rank)}" for d, ls in dims.items())
-            rows.append([tensor, layout, str(list(shape)), str(list(local)), starts])
+            placed = MeshLayout(mesh, layout)
+            starts = ", ".join(f"dim {d} from {placed.offset(ls, d, rank)}" for d, ls in dims.items())
+            rows.append([tensor, str(layout), str(list(shape)), str(list(local)), starts])
     return rows
 
 
@@ -34,7 +34,7 @@ def explain(plan: Plan, rank: int) -> str:
     n = plan.cluster.num_devices
     if not 0 <= rank < n:
         raise PlanError(f"--rank {rank}: the plan has {n} ranks (0..{n - 1})")
-    mesh = groups_mesh(plan)
+    mesh = plan.mesh
     program = build_rank_program(plan, Groups.local_only(mesh, rank))
     device = plan.cluster.devices[rank]
     head = (f"rank {rank} of {n}: device {device.name} ({device.kind}), node {mesh.node(rank)}, "

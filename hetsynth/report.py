@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from instruction_set.cluster import ClusterSpec
+from instruction_set.layouts import R
 from instruction_set.plan import Plan
 
 
@@ -139,7 +140,7 @@ def instruction_mix(plan: Plan) -> dict[str, int]:
             continue
         label = ins.kind
         if ins.kind == "compute":
-            sharded = any(l != "R" for l in (*ins.inputs, ins.layout))
+            sharded = any(l is not R for l in (*ins.inputs, ins.layout))
             label = "compute (sharded)" if sharded else "compute (replicated)"
         elif ins.variant and ins.variant != "local":
             label += f" [{ins.variant}]"

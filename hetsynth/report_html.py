@@ -25,7 +25,6 @@ from typing import Any
 
 from hetsynth.report import cluster_summary, instruction_mix, si
 from hetsynth.trace import COMMUNICATION, COMPUTE, PHASES, WAIT, predicted_trace
-from instruction_set.layouts import is_shard
 from instruction_set.plan import Plan
 
 COLOURS = {COMPUTE: "#3b7dd8", COMMUNICATION: "#e8862a", WAIT: "#cfcfcf"}
@@ -71,7 +70,7 @@ def _batch_rows(plan: Plan) -> list[int]:
     n = plan.cluster.num_devices
     for ins in plan.instructions:
         if ins.kind == "input":
-            lengths = plan.lengths(ins.tensor, ins.layout).get(0) if is_shard(ins.layout) else None
+            lengths = plan.lengths(ins.tensor, ins.layout).get(0) if ins.layout.is_shard else None
             return list(lengths) if lengths else [plan.model.batch_size] * n
     return [plan.model.batch_size] * n
 

@@ -81,13 +81,14 @@ def lane_of(ins: Instruction) -> int:
 
 def instruction_args(plan: Plan, index: int, nbytes: float) -> dict[str, Any]:
     ins = plan.instructions[index]
-    args: dict[str, Any] = {"instruction": index, "kind": ins.kind, "tensor": ins.tensor, "layout": ins.layout,
+    args: dict[str, Any] = {"instruction": index, "kind": ins.kind, "tensor": ins.tensor, "layout": str(ins.layout),
                             "bytes": nbytes, "predicted_s": ins.predicted_s}
     if ins.kind == "compute":
         args["op"] = plan.graph.node(ins.node).target
-    for key in ("src", "variant"):
-        if getattr(ins, key):
-            args[key] = getattr(ins, key)
+    if ins.src is not None:
+        args["src"] = str(ins.src)
+    if ins.variant:
+        args["variant"] = ins.variant
     if ins.phase == "backward":
         args["phase"] = "backward"
     if ins.axis != "all":
@@ -107,7 +108,7 @@ def predicted_instructions(plan: Plan) -> list[InstructionTimes]:
     from planner.evaluate import first_input_layouts, instruction_term, step_term
     from planner.problem import Problem, Restrictions
 
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh[0] > 1))
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
     expand, x_layouts, out = pb.devices.expand, first_input_layouts(plan.instructions), []
     for index, ins in enumerate(plan.instructions):
         term = instruction_term(pb, ins, x_layouts)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Callable, Generic, Iterable, TypeVar
 
+from instruction_set.layouts import PlacementKind
 from instruction_set.mesh import MeshAxis
 
 F = TypeVar("F")
@@ -54,12 +55,12 @@ class Phase(StrEnum):
 @dataclass(frozen=True)
 class InstructionKind:
     """One kind of instruction: its pattern along one mesh axis (`source` -> `target`
-    placement kinds "R", "S", "P", "Pmax"), backward, variants, phases, axes and category."""
+    placement kinds), backward, variants, phases, axes and category."""
 
     name: str
     category: Category
-    source: str | None = None
-    target: str | None = None
+    source: PlacementKind | None = None
+    target: PlacementKind | None = None
     variants: tuple[str, ...] = ()
     adjoint: str | None = None
     phases: frozenset[Phase] = frozenset({Phase.FORWARD})
@@ -80,7 +81,7 @@ class UnknownKind(ValueError):
 
 
 _KINDS: dict[str, InstructionKind] = {}
-_CONVERSIONS: dict[tuple[str, str], InstructionKind] = {}
+_CONVERSIONS: dict[tuple[PlacementKind, PlacementKind], InstructionKind] = {}
 
 
 def register_kind(k: InstructionKind) -> InstructionKind:
@@ -108,12 +109,7 @@ def kinds(category: Category | None = None) -> tuple[InstructionKind, ...]:
     return tuple(k for k in _KINDS.values() if category is None or k.category is category)
 
 
-def placement_kind(placement: str) -> str:
-    """"R", "S", "P" or "Pmax" of a one-axis placement ("S1" is "S")."""
-    return "S" if placement.startswith("S") else placement
-
-
-def conversion_kind(source: str, target: str) -> InstructionKind | None:
+def conversion_kind(source: PlacementKind, target: PlacementKind) -> InstructionKind | None:
     """The forward layout change turning placement kind `source` into `target` along one axis."""
     return _CONVERSIONS.get((source, target))
 
@@ -168,6 +164,7 @@ class Implementations(Generic[F]):
 
 
 GATHER_VARIANTS = ("padded", "grouped", "ring")
+_R, _S, _P, _PMAX = PlacementKind.REPLICATE, PlacementKind.SHARD, PlacementKind.PARTIAL, PlacementKind.PARTIAL_MAX
 BOTH = frozenset({Phase.FORWARD, Phase.BACKWARD})
 
 for _k in (
@@ -177,14 +174,14 @@ for _k in (
     InstructionKind("compute", Category.COMPUTE, doc="the op of `node` on local shards (layouts from its rule)"),
     InstructionKind("sfb", Category.FUSED, variants=GATHER_VARIANTS, phases=frozenset({Phase.BACKWARD}),
                     doc="backward of a linear: the replicated weight's gradient rebuilt from all-gathered factors"),
-    InstructionKind("all_gather", Category.COMMUNICATION, "S", "R", GATHER_VARIANTS, "reduce_scatter"),
-    InstructionKind("reduce_scatter", Category.COMMUNICATION, "P", "S", GATHER_VARIANTS, "all_gather"),
-    InstructionKind("all_reduce", Category.COMMUNICATION, "P", "R", ("ring", "hierarchical"), "all_reduce", BOTH,
+    InstructionKind("all_gather", Category.COMMUNICATION, _S, _R, GATHER_VARIANTS, "reduce_scatter"),
+    InstructionKind("reduce_scatter", Category.COMMUNICATION, _P, _S, GATHER_VARIANTS, "all_gather"),
+    InstructionKind("all_reduce", Category.COMMUNICATION, _P, _R, ("ring", "hierarchical"), "all_reduce", BOTH,
                     doc="backward phase: gradient sync of a replicated parameter, in buckets"),
-    InstructionKind("all_reduce_max", Category.COMMUNICATION, "Pmax", "R", ("ring",), axes=frozenset({MeshAxis.ALL}),
+    InstructionKind("all_reduce_max", Category.COMMUNICATION, _PMAX, _R, ("ring",), axes=frozenset({MeshAxis.ALL}),
                     gradient=False),
-    InstructionKind("all_to_all", Category.COMMUNICATION, "S", "S", ("native",), "all_to_all"),
-    InstructionKind("slice", Category.LOCAL, "R", "S", ("local",), doc="backward zero-pads (local)"),
-    InstructionKind("partial", Category.LOCAL, "R", "P", ("local",), doc="backward masks (local)"),
+    InstructionKind("all_to_all", Category.COMMUNICATION, _S, _S, ("native",), "all_to_all"),
+    InstructionKind("slice", Category.LOCAL, _R, _S, ("local",), doc="backward zero-pads (local)"),
+    InstructionKind("partial", Category.LOCAL, _R, _P, ("local",), doc="backward masks (local)"),
 ):
     register_kind(_k)

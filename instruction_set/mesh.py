@@ -29,6 +29,13 @@ class Mesh:
     two_level: bool
     first_rank: int = 0  # global rank of the first member (non-zero for a sub-mesh)
 
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.per_node < 1 or self.first_rank < 0:
+            raise ValueError(f"mesh {self.num_nodes} x {self.per_node} from rank {self.first_rank}: needs >= 1 "
+                             f"node of >= 1 device and a first rank >= 0")
+        if self.two_level and self.num_nodes < 2:
+            raise ValueError(f"mesh {self.num_nodes} x {self.per_node}: a two-level mesh needs >= 2 nodes")
+
     @staticmethod
     def of(node_sizes: list[int]) -> "Mesh":
         n = sum(node_sizes)

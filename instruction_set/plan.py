@@ -1,15 +1,21 @@
 """The Plan: everything a rank needs to run its part of training, as versioned JSON.
 
-A plan holds the reference graph, the per-device sharding ratios, the per-tensor shard
-lengths (derived once, instruction_set.shards), the distributed program, the predicted
-step time and per-device compute / communication / memory, the same predictions for the
-baselines, and statistics of the synthesis. It contains no torch objects; the runtime
-resolves it against real process groups.
+A plan holds the reference graph, the device mesh its layouts live on, the per-device
+sharding ratios, the per-tensor shard lengths (derived once, instruction_set.shards), the
+distributed program, the predicted step time and per-device compute / communication /
+memory, the same predictions for the baselines, and statistics of the synthesis. It contains
+no torch objects; the runtime resolves it against real process groups.
+
+The format is versioned (`PLAN_VERSION`; `PLAN_CHANGES` says what each version changed). A
+plan of an older version that the current one can express is converted when it is read, and
+a warning says so; any other version is refused with an error saying how to make a new plan.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +23,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
+from instruction_set.layouts import Layout
+from instruction_set.mesh import Mesh
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
+from instruction_set.shards import MeshLayout
 
-PLAN_VERSION = 1
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 2
+PLAN_CHANGES: dict[int, str] = {
+    1: "the first format",
+    2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
+       "an instruction without a source layout has src null instead of \"\"; layouts are checked against "
+       "their grammar (R, P, Pmax, S<d>, A|B) when a plan is read",
+}
 
 
 class PlanError(ValueError):
@@ -79,8 +96,8 @@ class Plan(_Frozen):
     version: int = PLAN_VERSION
     model: ModelInfo
     cluster: ClusterSpec
-    mesh: tuple[int, int] = Field(description="(nodes, devices per node) of two-level layouts; "
-                                               "(1, devices) when only one-level layouts are used")
+    mesh: Mesh = Field(description="the mesh the layouts live on: nodes x devices per node when two-level "
+                                   "layouts are used; 1 x devices when only one-level ones are")
     graph: ReferenceGraph
     sharding_ratios: tuple[float, ...]
     shards: ShardTable = Field(
@@ -98,7 +115,11 @@ class Plan(_Frozen):
                              num_predicted=len(self.predicted.devices)))  # instruction_set.plan_checks
         return self
 
-    def lengths(self, tensor: str, layout: str) -> dict[int, tuple[int, ...]]:
+    def placed(self, layout: Layout) -> MeshLayout:
+        """`layout` on the plan's mesh: which rank holds what."""
+        return MeshLayout(self.mesh, layout)
+
+    def lengths(self, tensor: str, layout: Layout) -> dict[int, tuple[int, ...]]:
         """{split dim: local length on each rank} of a tensor in a layout."""
         try:
             return self.shards[tensor][layout]
@@ -113,10 +134,15 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
     if not isinstance(raw, dict) or "version" not in raw:
         raise PlanError(f"{source} is not a hetsynth plan (no 'version' field)")
+    if raw["version"] == 1:
+        raw = _from_version_1(raw)
+        log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
+                    PLAN_CHANGES[PLAN_VERSION])
     if raw["version"] != PLAN_VERSION:
         raise PlanError(
-            f"{source} is plan format version {raw['version']!r}; this hetsynth reads version "
-            f"{PLAN_VERSION}. Re-run `hetsynth plan` to make a plan for this version."
+            f"{source} is plan format version {raw['version']!r}; this hetsynth reads versions 1 and "
+            f"{PLAN_VERSION} (version {PLAN_VERSION}: {PLAN_CHANGES[PLAN_VERSION]}). Re-run `hetsynth plan` "
+            f"to make a plan for this version."
         )
     try:
         return Plan.model_validate(raw)
@@ -128,6 +154,19 @@ def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
                             f"make the plan again with `hetsynth plan`") from None
         raise PlanError(f"{source} is malformed at {loc}: {first['msg']} "
                         f"({err.error_count()} error(s))") from None
+
+
+def _from_version_1(raw: dict) -> dict:
+    """A version-1 plan in version 2's form: the mesh [nodes, per_node] as an object (two-level
+    when it has more than one node, as version 1 ran it), empty sources as null."""
+    raw = copy.copy(raw)
+    mesh = raw.get("mesh")
+    if isinstance(mesh, (list, tuple)) and len(mesh) == 2 and all(isinstance(x, int) for x in mesh):
+        raw["mesh"] = {"num_nodes": mesh[0], "per_node": mesh[1], "two_level": mesh[0] > 1, "first_rank": 0}
+    if isinstance(raw.get("instructions"), list):
+        raw["instructions"] = [{**i, "src": i["src"] or None} if isinstance(i, dict) and "src" in i else i
+                               for i in raw["instructions"]]
+    return {**raw, "version": PLAN_VERSION}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -4,7 +4,8 @@ A plan file may be edited or truncated by hand; the runtime trusts what it reads
 is refused on load unless
 
 - its sharding ratios are finite, >= 0, one per device of its cluster, and sum to 1;
-- its mesh (nodes x devices per node) covers the cluster, node by node when two-level;
+- its mesh (nodes x devices per node, from rank 0) covers the cluster, node by node when
+  two-level, and is two-level exactly when it has more than one node;
 - every shard-table entry names a tensor of its graph, a layout valid for the tensor, a dim
   that layout splits, one length >= 0 per rank, and lengths that add up to the dim:
     one-level split (or both axes on the dim)   sum over all ranks = size
@@ -27,12 +28,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import axes, is_shard, is_two_level, shard_dim, sharded_dims, validate
+from instruction_set.layouts import Layout, LayoutField
 from instruction_set.mesh import Mesh
 from instruction_set.program import Instruction
 from instruction_set.shards import Rounding
 
-ShardTable = dict[str, dict[str, dict[int, tuple[int, ...]]]]  # tensor -> layout -> dim -> lengths
+ShardTable = dict[str, dict[LayoutField, dict[int, tuple[int, ...]]]]  # tensor -> layout -> dim -> lengths
 
 RATIO_TOLERANCE = 1e-6
 
@@ -42,7 +43,7 @@ class PlanParts:
     """What the checks read of a plan (instruction_set.plan fills it in)."""
 
     ratios: tuple[float, ...]
-    mesh: tuple[int, int]
+    mesh: Mesh
     node_sizes: tuple[int, ...]  # devices per node of the plan's cluster
     graph: ReferenceGraph
     shards: ShardTable
@@ -66,13 +67,17 @@ def check_ratios(ratios: Sequence[float], num_devices: int) -> None:
 
 
 def check_mesh(plan: PlanParts) -> None:
-    nodes, per_node = plan.mesh
-    n = plan.num_devices
-    if nodes < 1 or per_node < 1 or nodes * per_node != n:
-        raise ValueError(f"mesh {list(plan.mesh)}: {nodes} x {per_node} must equal the cluster's {n} devices")
+    mesh = plan.mesh
+    nodes, per_node, n = mesh.num_nodes, mesh.per_node, plan.num_devices
+    if nodes < 1 or per_node < 1 or nodes * per_node != n or mesh.first_rank != 0:
+        raise ValueError(f"mesh {nodes} x {per_node} from rank {mesh.first_rank}: must cover the cluster's "
+                         f"{n} devices from rank 0")
+    if mesh.two_level != (nodes > 1):
+        raise ValueError(f"mesh {nodes} x {per_node}: two_level is {mesh.two_level}; it must be "
+                         f"{nodes > 1} (a mesh is two-level exactly when it has more than one node)")
     sizes = list(plan.node_sizes)
     if nodes > 1 and sizes != [per_node] * nodes:
-        raise ValueError(f"mesh {list(plan.mesh)}: the cluster's nodes hold {sizes} devices; a two-level "
+        raise ValueError(f"mesh {nodes} x {per_node}: the cluster's nodes hold {sizes} devices; a two-level "
                          f"mesh needs {nodes} nodes of {per_node}")
 
 
@@ -81,18 +86,17 @@ def _check_sum(where: str, lengths: Sequence[int], size: int) -> None:
         raise ValueError(f"{where}: the shard lengths add up to {sum(lengths)}, the dim has {size}")
 
 
-def _check_split(where: str, layout: str, dim: int, lengths: Sequence[int], size: int,
-                 mesh: tuple[int, int]) -> str:
+def _check_split(where: str, layout: Layout, dim: int, lengths: Sequence[int], size: int,
+                 mesh: Mesh) -> str:
     """The lengths of one split dim add up to its size, per the axes that split it; returns
     the axis of the split (instruction_set.shards.AXES)."""
-    outer, inner = axes(layout)
-    on_outer, on_inner = shard_dim(outer) == dim, shard_dim(inner) == dim
-    nodes, per_node = mesh
+    on_outer, on_inner = layout.outer.dim == dim, layout.inner.dim == dim
+    nodes, per_node = mesh.num_nodes, mesh.per_node
     if on_outer and on_inner:
         _check_sum(where, lengths, size)
         return "flat"
-    if is_two_level(layout) and nodes == 1:
-        raise ValueError(f"{where}: two-level layout {layout!r} on a one-level mesh {list(mesh)}")
+    if layout.is_two_level and nodes == 1:
+        raise ValueError(f"{where}: two-level layout '{layout}' on a one-level mesh {nodes} x {per_node}")
     blocks = [tuple(lengths[j * per_node:(j + 1) * per_node]) for j in range(nodes)]
     if on_outer:
         uneven = [j for j, b in enumerate(blocks) if len(set(b)) > 1]
@@ -126,17 +130,17 @@ def _check_rounding(where: str, lengths: Sequence[int], size: int, axis: str, ro
 def check_shards(plan: PlanParts) -> None:
     shapes = {node.name: node.outputs[0].shape for node in plan.graph.nodes if node.outputs}
     n = plan.num_devices
-    rounding = Rounding(plan.ratios, Mesh(plan.mesh[0], plan.mesh[1], plan.mesh[0] > 1))
+    rounding = Rounding(plan.ratios, plan.mesh)
     for tensor, layouts in plan.shards.items():
         if tensor not in shapes:
             raise ValueError(f"shards[{tensor!r}]: no tensor of that name in the plan's graph")
         shape = shapes[tensor]
         for layout, dims in layouts.items():
-            where = f"shards[{tensor!r}][{layout!r}]"
-            validate(layout, len(shape))
-            if set(dims) != set(sharded_dims(layout)):
+            where = f"shards[{tensor!r}]['{layout}']"
+            layout.check(len(shape))
+            if set(dims) != set(layout.dims):
                 raise ValueError(f"{where}: lengths for dims {sorted(dims)}, the layout splits "
-                                 f"dims {list(sharded_dims(layout))}")
+                                 f"dims {list(layout.dims)}")
             for dim, lengths in dims.items():
                 at = f"{where}[{dim}] of shape {list(shape)}"
                 if len(lengths) != n or any(x < 0 for x in lengths):
@@ -145,13 +149,13 @@ def check_shards(plan: PlanParts) -> None:
                 _check_rounding(at, lengths, shape[dim], axis, rounding)
 
 
-def _used_layouts(plan: PlanParts) -> list[tuple[str, str, str]]:
+def _used_layouts(plan: PlanParts) -> list[tuple[str, Layout, str]]:
     """(tensor, layout, instruction) of every layout an instruction reads or writes."""
     inputs = {node.name: node.inputs for node in plan.graph.nodes}
     out = []
     for ins in plan.instructions:
         out.append((ins.tensor, ins.layout, ins.describe()))
-        if ins.src:
+        if ins.src is not None:
             out.append((ins.tensor, ins.src, ins.describe()))
         if ins.kind == "compute":
             if ins.node not in inputs:
@@ -165,7 +169,7 @@ def check_instructions(plan: PlanParts) -> None:
     for tensor, layout, what in _used_layouts(plan):
         if tensor not in names:
             raise ValueError(f"instruction {what}: no tensor {tensor!r} in the plan's graph")
-        if is_shard(layout) and layout not in plan.shards.get(tensor, {}):
+        if layout.is_shard and layout not in plan.shards.get(tensor, {}):
             raise ValueError(f"instruction {what}: the shard table has no lengths for {tensor}:{layout}")
 
 

@@ -11,7 +11,8 @@ Gradient synchronisation of a replicated parameter is an `all_reduce` with
 `phase == "backward"` on the parameter (gradients are all-reduced in buckets of 25 MiB,
 with the ring or hierarchical algorithm named by the variant). `axis` is the mesh axis a collective runs along (instruction_set.mesh): "all"
 devices, "inner" (the devices of each node) or "outer" (one device per node, for every
-local index). Forward collectives carry their adjoint in the
+local index). Layouts (`layout`, `src`, `inputs`) are instruction_set.layouts values, written
+as their text in the plan's JSON. Forward collectives carry their adjoint in the
 backward pass; `predicted_s` includes both. `alternatives` maps each implementation variant
 the planner considered to its predicted seconds.
 """
@@ -24,6 +25,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from instruction_set.kinds import Category, Phase, known_kind, kinds
 from instruction_set.kinds import kind as instruction_kind
+from instruction_set.layouts import LayoutField
 from instruction_set.mesh import MeshAxis
 
 Kind = Annotated[str, AfterValidator(known_kind)]  # a registered kind (instruction_set.kinds)
@@ -38,10 +40,10 @@ class Instruction(BaseModel):
 
     kind: Kind
     tensor: str
-    layout: str
-    src: str = ""
+    layout: LayoutField
+    src: LayoutField | None = None  # the layout a layout change reads
     node: str = ""
-    inputs: tuple[str, ...] = ()
+    inputs: tuple[LayoutField, ...] = ()
     local: str = ""
     variant: str = ""
     phase: Phase = Phase.FORWARD
@@ -52,10 +54,10 @@ class Instruction(BaseModel):
     def describe(self) -> str:
         category = instruction_kind(self.kind).category
         if category is Category.COMPUTE:
-            return f"{self.tensor}:{self.layout} = {self.node}({', '.join(self.inputs)})"
+            return f"{self.tensor}:{self.layout} = {self.node}({', '.join(map(str, self.inputs))})"
         if category is Category.STORAGE:
             return f"{self.kind} {self.tensor}:{self.layout}"
-        arrow = f"{self.src}->{self.layout}" if self.src else self.layout
+        arrow = f"{self.src}->{self.layout}" if self.src is not None else self.layout
         variant = f" [{self.variant}]" if self.variant and self.variant != "local" else ""
         phase = " (backward)" if self.phase == "backward" else ""
         axis = f" over {self.axis} axis" if self.axis != "all" else ""

@@ -20,8 +20,10 @@ On a two-level mesh (instruction_set.mesh) a layout `A|B` places a dim on one ax
   A = S<d> only (across nodes)  every rank of node j holds node j's block of that split
   B = S<d> only (inside nodes)  the whole dim split over a node's devices, the same on every
                               node (by the column sums of the ratios, `inside_ratios`)
-`rank_lengths` gives, for any layout, every sharded dim's local length on every rank.
-Every consumer of shard lengths (cost model, plan, codegen) calls these two methods.
+`ShardLengths.rank_lengths` gives, for any layout, every sharded dim's local length on every
+rank; every consumer of shard lengths (cost model, plan) calls it or `rank_shares`.
+`MeshLayout` binds a layout to a mesh or sub-mesh and answers where a rank's slice starts and
+whether its copy counts once (the runtime, reports).
 
 A class's root lengths depend on it only through its count of units `root_size / unit`, so
 `ShardLengths` rounds once per count and per axis (over all ranks, the node blocks, inside a
@@ -35,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from instruction_set.layouts import Layout, axes, shard_dim
+from instruction_set.layouts import Layout
 from instruction_set.mesh import Mesh
 
 DimKey = tuple[str, int]  # (tensor name, dim)
@@ -115,16 +117,6 @@ class DimClasses:
         size = self.sizes[(tensor, dim)]
         return [n / size if size else 0.0 for n in self.lengths(tensor, dim, ratios)]
 
-    def rank_lengths(self, tensor: str, layout: Layout, ratios: Sequence[float],
-                     mesh: Mesh) -> dict[int, tuple[int, ...]]:
-        """{dim: local length on each rank} for every dim the layout splits."""
-        return ShardLengths(self, ratios, mesh).rank_lengths(tensor, layout)
-
-    def rank_shares(self, tensor: str, layout: Layout, ratios: Sequence[float],
-                    mesh: Mesh) -> tuple[float, ...]:
-        """Fraction of the tensor's elements each rank holds (1 for unsplit layouts)."""
-        return ShardLengths(self, ratios, mesh).rank_shares(tensor, layout)
-
     def class_id(self, tensor: str, dim: int) -> int:
         return self.class_of[(tensor, dim)]
 
@@ -187,8 +179,7 @@ class ShardLengths(Rounding):
     def rank_lengths(self, tensor: str, layout: Layout,
                      ranks: Sequence[int] | None = None) -> dict[int, tuple[int, ...]]:
         """{dim: local length on each rank} for every dim the layout splits."""
-        outer, inner = axes(layout)
-        d_out, d_in = shard_dim(outer), shard_dim(inner)
+        d_out, d_in = layout.outer.dim, layout.inner.dim
         if d_out is not None and d_out == d_in:
             return {d_out: self.lengths(tensor, d_out, "flat", ranks)}
         out: dict[int, tuple[int, ...]] = {}
@@ -215,15 +206,42 @@ def inside_ratios(ratios: Sequence[float], mesh: Mesh) -> list[float]:
     return cols if sum(cols) > 0 else [1.0] * mesh.per_node
 
 
-def rank_offset(lengths: Sequence[int], layout: Layout, dim: int, mesh: Mesh, rank: int) -> int:
-    """Start of `rank`'s slice of `dim` for a layout whose per-rank lengths are `lengths`:
-    after the earlier ranks (one-level split), the earlier nodes' blocks (split across
-    nodes only), or the earlier ranks of its node (split inside nodes only)."""
-    outer, inner = axes(layout)
-    split_outer, split_inner = shard_dim(outer) == dim, shard_dim(inner) == dim
-    if split_outer and split_inner:
-        return sum(lengths[:rank])
-    if split_outer:
-        return sum(lengths[j * mesh.per_node] for j in range(mesh.node(rank)))
-    node_start = mesh.node(rank) * mesh.per_node
-    return sum(lengths[node_start:rank])
+@dataclass(frozen=True, slots=True)
+class MeshLayout:
+    """A layout bound to a mesh or sub-mesh (instruction_set.mesh): which of its ranks hold
+    which part of a tensor. Per-rank lengths are indexed by member, in mesh order (rank minus
+    the mesh's first rank; the rank itself on a whole-cluster mesh)."""
+
+    mesh: Mesh
+    layout: Layout
+
+    def offset(self, lengths: Sequence[int], dim: int, rank: int) -> int:
+        """Start of `rank`'s slice of `dim`: after the earlier members (one-level split), the
+        earlier nodes' blocks (split across nodes only), or the earlier members of its node
+        (split inside nodes only)."""
+        mesh, i = self.mesh, rank - self.mesh.first_rank
+        assert 0 <= i < mesh.size, (rank, mesh)
+        split_outer, split_inner = self.layout.outer.dim == dim, self.layout.inner.dim == dim
+        if split_outer and split_inner:
+            return sum(lengths[:i])
+        if split_outer:
+            return sum(lengths[j * mesh.per_node] for j in range(mesh.node(rank)))
+        node_start = mesh.node(rank) * mesh.per_node
+        return sum(lengths[node_start:i])
+
+    def counts_once(self, rank: int) -> bool:
+        """Whether `rank`'s copy counts in a global sum: the first replica along every axis
+        that does not split the tensor."""
+        mesh, layout = self.mesh, self.layout
+        if not mesh.two_level:
+            return layout.is_shard or rank == mesh.first_rank
+        return ((layout.outer.is_shard or mesh.node(rank) == 0)
+                and (layout.inner.is_shard or mesh.local(rank) == 0))
+
+    def group(self, axis: str, rank: int) -> range:
+        """The ranks sharing `rank`'s collective along a mesh axis."""
+        return self.mesh.members(axis, rank)
+
+    def __str__(self) -> str:
+        ranks = self.mesh.ranks
+        return f"{self.layout} on ranks {ranks.start}..{ranks.stop - 1}"

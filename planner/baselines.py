@@ -21,22 +21,23 @@ from typing import Sequence
 from cost_models.memory import GIB
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import R, S, join
+from instruction_set.layouts import R, Layout, Replicate, S, Shard
 from instruction_set.mesh import Mesh
 from instruction_set.plan import BaselineResult
 from instruction_set.program import Instruction
 from planner.evaluate import predict, program_terms
-from planner.problem import Problem, Restrictions
+from planner.problem import Problem, Restrictions, StorageClass
 from planner.synthesis import synthesize
 
-DP = Restrictions(param_layouts=(R,), input_layout=S(0), two_level=False, allow_sfb=False,
+DP = Restrictions(param_layouts=frozenset({StorageClass.REPLICATED}), input_layout=S(0), two_level=False, allow_sfb=False,
                   batch_split_only=True)
 
 
 def megatron_restrictions(cluster: ClusterSpec) -> Restrictions:
     two = Mesh.of([len(n.devices) for n in cluster.nodes]).two_level
-    return Restrictions(input_layout=join(S(0), R) if two else R,
-                        param_layouts=(R, "R|S*") if two else (R, "S*"),
+    split = StorageClass.SHARDED_INSIDE if two else StorageClass.SHARDED
+    return Restrictions(input_layout=Layout(Shard(0), Replicate()) if two else R,
+                        param_layouts=frozenset({StorageClass.REPLICATED, split}),
                         shard_params_with_dims=2, no_batch_split_inside=True, allow_sfb=False)
 
 

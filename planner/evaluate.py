@@ -23,19 +23,19 @@ from cost_models.linear_cost import LinearCost
 from cost_models.memory import GIB, activation_memory, param_memory
 from cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
 from instruction_set.kinds import Category, Implementations, Phase
-from instruction_set.layouts import axes, is_shard, is_two_level
+from instruction_set.layouts import Layout
 from instruction_set.plan import DevicePrediction, Prediction
 from instruction_set.program import COLLECTIVES, Instruction
 from planner.problem import Problem, rule_splits
 from planner.sfb import sfb_cost
 
 
-def share_kind(layouts: Sequence[str]) -> ShareKind:
+def share_kind(layouts: Sequence[Layout]) -> ShareKind:
     """How the shares of a split across these layouts depend on the ratios."""
-    split = [l for l in layouts if is_shard(l)]
-    flat = any(not is_two_level(l) for l in split)
-    outer = any(is_two_level(l) and is_shard(axes(l)[0]) for l in split)
-    inner = any(is_two_level(l) and is_shard(axes(l)[1]) for l in split)
+    split = [l for l in layouts if l.is_shard]
+    flat = any(not l.is_two_level for l in split)
+    outer = any(l.is_two_level and l.outer.is_shard for l in split)
+    inner = any(l.is_two_level and l.inner.is_shard for l in split)
     if flat or (outer and inner):
         return ShareKind.FLAT
     return ShareKind.NODE if outer else (ShareKind.FIXED if inner else ShareKind.NONE)
@@ -48,12 +48,12 @@ def _rule_index(pb: Problem, ins: Instruction) -> int:
     raise ValueError(f"instruction {ins.describe()} matches no rule of {ins.node}")
 
 
-TermFn = Callable[[Problem, Instruction, dict[str, str]], "Term | None"]
+TermFn = Callable[[Problem, Instruction, dict[str, Layout]], "Term | None"]
 TERMS: Implementations[TermFn] = Implementations("cost term")
 
 
 @TERMS.implements("compute")
-def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
+def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
     node = pb.graph.node(ins.node)
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
@@ -63,15 +63,15 @@ def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> T
 
 
 @TERMS.implements("param")
-def _param_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
-    mem = param_memory(pb.meta(ins.tensor).nbytes, is_shard(ins.layout), pb.width)
+def _param_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
+    mem = param_memory(pb.meta(ins.tensor).nbytes, ins.layout.is_shard, pb.width)
     update = pb.update_linear(ins.tensor, ins.layout)
     return Term.leaf(update, Shares(pb.shares(ins.tensor, ins.layout), share_kind([ins.layout])),
                      Category.COMPUTE, mem)
 
 
 @TERMS.implements("all_reduce", phase=Phase.BACKWARD)
-def _sync_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
+def _sync_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
     """Backward gradient all-reduce of a replicated (or node-replicated) parameter."""
     nbytes = pb.meta(ins.tensor).nbytes
     if ins.axis == "outer":
@@ -81,7 +81,7 @@ def _sync_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term
 
 
 @TERMS.implements(*COLLECTIVES)
-def _collective_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
+def _collective_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
     shares, nbytes = pb.axis_shares(ins.tensor, ins.src, ins.layout, ins.axis)
     cost = pb.comm.with_adjoint(ins.kind, ins.variant, nbytes, pb.requires_grad(ins.tensor), ins.axis, shares)
     kind = {"all": share_kind([ins.src, ins.layout]), "inner": ShareKind.FIXED, "outer": ShareKind.NODE}[ins.axis]
@@ -89,7 +89,7 @@ def _collective_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -
 
 
 @TERMS.implements("sfb", phase=Phase.BACKWARD)
-def _sfb_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
+def _sfb_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
     """The factors' all-gathers (planner.sfb), counted as communication."""
     x = pb.graph.node(ins.node).inputs[0]
     shares = pb.shares(x, x_layouts[ins.node])
@@ -98,12 +98,12 @@ def _sfb_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term:
 
 
 @TERMS.implements("input", "buffer", "slice", "partial")
-def _free(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> None:
+def _free(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> None:
     """No time: the batch and buffers are placed before the step; slice and partial are local."""
     return None
 
 
-def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, str]) -> Term | None:
+def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term | None:
     """The Term of one instruction (None for free ones), by its kind's registered cost term."""
     return TERMS.get(ins.kind, phase=ins.phase)(pb, ins, x_layouts)
 
@@ -119,7 +119,7 @@ def step_term(pb: Problem) -> Term:
                      Category.COMMUNICATION)
 
 
-def first_input_layouts(program: Sequence[Instruction]) -> dict[str, str]:
+def first_input_layouts(program: Sequence[Instruction]) -> dict[str, Layout]:
     """Op -> the layout its first input is read in (SFB's costs depend on it)."""
     return {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
 

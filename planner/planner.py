@@ -32,8 +32,9 @@ from cost_models.memory import GIB
 from cost_models.terms import seconds
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import is_shard
+from instruction_set.layouts import P, R, Layout
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
+from instruction_set.plan_checks import ShardTable
 from instruction_set.program import COLLECTIVES, Instruction
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict, program_terms
@@ -226,17 +227,17 @@ def finalize(pb: Problem, program: Sequence[Instruction]) -> tuple[Instruction, 
     return tuple(out)
 
 
-def shard_table(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[str, dict[int, tuple[int, ...]]]]:
+def shard_table(pb: Problem, program: Sequence[Instruction]) -> ShardTable:
     """Per-rank local lengths of every split dim of every layout the program uses."""
-    table: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}
+    table: ShardTable = {}
 
-    def add(tensor: str, layout: str) -> None:
-        if is_shard(layout):
+    def add(tensor: str, layout: Layout) -> None:
+        if layout.is_shard:
             table.setdefault(tensor, {})[layout] = pb.lengths.rank_lengths(tensor, layout)
 
     for ins in program:
         add(ins.tensor, ins.layout)
-        if ins.src:
+        if ins.src is not None:
             add(ins.tensor, ins.src)
         if ins.kind == "compute":
             for t, layout in zip(pb.graph.node(ins.node).inputs, ins.inputs):
@@ -266,7 +267,7 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
                  best.prediction.step_time_s * 1e3)
     pb = Problem(graph, cluster, best.ratios, restrictions)
     return Plan(
-        model=model_info(graph), cluster=cluster, mesh=(pb.mesh.num_nodes, pb.mesh.per_node),
+        model=model_info(graph), cluster=cluster, mesh=pb.mesh,
         graph=graph, sharding_ratios=best.ratios,
         shards=shard_table(pb, best.program), instructions=finalize(pb, best.program),
         predicted=best.prediction,
@@ -281,13 +282,13 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
 def without_sfb(plan: Plan) -> Plan:
     """The same plan with every SFB weight synchronised by a backward all-reduce instead
     (same layouts, ratios and shard lengths), re-predicted: the control of the SFB benchmark."""
-    restrictions = Restrictions(two_level=plan.mesh[0] > 1)
+    restrictions = Restrictions(two_level=plan.mesh.two_level)
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
     program = []
     for ins in plan.instructions:
         if ins.kind == "sfb":
             nbytes = pb.meta(ins.tensor).nbytes
-            ins = Instruction(kind="all_reduce", tensor=ins.tensor, layout="R", src="P", phase="backward",
+            ins = Instruction(kind="all_reduce", tensor=ins.tensor, layout=R, src=P, phase="backward",
                               variant=pb.comm.gradient_variant(nbytes))
         program.append(ins)
     prediction = predict(pb, program_terms(pb, program))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cached_property
 from typing import Sequence
 
@@ -34,22 +35,37 @@ from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
 from instruction_set.cluster import ClusterSpec, DeviceKind
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
-from instruction_set.kinds import Category, conversion_kind, placement_kind
+from instruction_set.kinds import Category, conversion_kind
 from instruction_set.kinds import kind as instruction_kind
-from instruction_set.layouts import (PMAX, R, S, Layout, axes, is_shard, is_two_level, join,
-                                     shard_dim)
+from instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
 from instruction_set.rules import Rule, product_rule, rules_for
 from instruction_set.shards import DimClasses, ShardLengths
+
+
+class StorageClass(StrEnum):
+    """How a parameter is stored: whole (R), split over all devices (S<d>), or split inside
+    each node and replicated across nodes (R|S<d>): every storage layout is one of these."""
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+    SHARDED_INSIDE = "sharded_inside"
+
+    @staticmethod
+    def of(layout: Layout) -> "StorageClass":
+        if layout is R:
+            return StorageClass.REPLICATED
+        if layout.shard_dim is not None:
+            return StorageClass.SHARDED
+        assert layout.outer is Replicate() and layout.inner.is_shard, f"{layout} is no storage layout"
+        return StorageClass.SHARDED_INSIDE
 
 
 @dataclass(frozen=True)
 class Restrictions:
     """Limits on the program space (for the baselines); the default allows everything.
+    Layouts may be given as text ("S0|R"), read by Layout.parse."""
 
-    `param_layouts` may hold the wildcards "S*" (any one-level shard) and "R|S*" (replicated
-    across nodes, any shard inside a node)."""
-
-    param_layouts: tuple[Layout, ...] | None = None
+    param_layouts: frozenset[StorageClass] | None = None
     input_layout: Layout | None = None
     shard_params_with_dims: int | None = None   # params of >= this many dims must be split
     no_batch_split_inside: bool = False          # no axis inside a node splits a batch dim
@@ -59,6 +75,13 @@ class Restrictions:
     force_sfb: bool = False                      # SFB wherever it applies, even if dearer
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     force: dict[str, Layout] = field(default_factory=dict)  # tensor -> layout it is made in
+
+    def __post_init__(self) -> None:
+        if self.input_layout is not None:
+            object.__setattr__(self, "input_layout", Layout.parse(self.input_layout))
+        object.__setattr__(self, "force", {t: Layout.parse(l) for t, l in self.force.items()})
+        if self.param_layouts is not None:
+            object.__setattr__(self, "param_layouts", frozenset(StorageClass(c) for c in self.param_layouts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +104,14 @@ def rule_entries(node: Node, rule: Rule) -> list[tuple[str, Layout]]:
 
 def rule_splits(rule: Rule) -> bool:
     """Whether the rule splits the op's work (some entry is sharded)."""
-    return any(is_shard(l) for l in (rule.output, *rule.inputs))
+    return any(l.is_shard for l in (rule.output, *rule.inputs))
 
 
 def rule_links(node: Node, rules: Sequence[Rule]) -> list[tuple]:
     """Pairs of linked (tensor, dim): every sharded entry of a rule with the first one."""
     links = []
     for rule in rules:
-        keys = [(t, shard_dim(l)) for t, l in rule_entries(node, rule) if shard_dim(l) is not None]
+        keys = [(t, l.shard_dim) for t, l in rule_entries(node, rule) if l.shard_dim is not None]
         links += [(keys[0], k) for k in keys[1:]]
     return links
 
@@ -156,24 +179,23 @@ class Problem:
         return frozenset(self.classes.class_id(n.name, 0) for n in self.graph.nodes
                          if n.op == "input" and n.outputs and n.outputs[0].shape)
 
-    def is_batch(self, tensor: str, placement: Layout) -> bool:
-        d = shard_dim(placement)
+    def is_batch(self, tensor: str, placement: Placement) -> bool:
+        d = placement.dim
         return d is not None and self.classes.class_id(tensor, d) in self.batch_classes
 
     def allowed(self, tensor: str, layout: Layout) -> bool:
         """Whether a layout is in the restricted space (Megatron: no batch split inside nodes)."""
-        if is_two_level(layout) and not self.mesh.two_level:
+        if layout.is_two_level and not self.mesh.two_level:
             return False
-        outer, inner = axes(layout)
-        if self.restrictions.no_batch_split_inside and self.is_batch(tensor, inner):
+        if self.restrictions.no_batch_split_inside and self.is_batch(tensor, layout.inner):
             return False
         if self.restrictions.batch_split_only:
-            return all(not is_shard(p) or self.is_batch(tensor, p) for p in (outer, inner))
+            return all(not p.is_shard or self.is_batch(tensor, p) for p in (layout.outer, layout.inner))
         return True
 
     def _batch_only(self, node: Node, rule: Rule) -> bool:
         """An across-nodes rule: it splits only batch dims (or nothing)."""
-        return all(self.is_batch(t, l) for t, l in rule_entries(node, rule) if is_shard(l))
+        return all(self.is_batch(t, l.outer) for t, l in rule_entries(node, rule) if l.is_shard)
 
     def _rules(self, node: Node, base: list[Rule]) -> list[Rule]:
         rules = list(base)
@@ -191,12 +213,12 @@ class Problem:
         key = (tensor, layout)
         if key not in self._shares:
             self._shares[key] = (self.lengths.rank_shares(tensor, layout, self.devices.reps)
-                                 if is_shard(layout) else (1.0,) * self.width)
+                                 if layout.is_shard else (1.0,) * self.width)
         return self._shares[key]
 
     def rule_shares(self, node: Node, rule: Rule) -> tuple[float, ...]:
         """Each device's fraction of the op's work: the smallest share among split entries."""
-        split = [self.shares(t, l) for t, l in rule_entries(node, rule) if is_shard(l)]
+        split = [self.shares(t, l) for t, l in rule_entries(node, rule) if l.is_shard]
         if not split:
             return (1.0,) * self.width
         return tuple(min(v) for v in zip(*split))
@@ -228,7 +250,7 @@ class Problem:
     def update_linear(self, tensor: str, layout: Layout) -> LinearCost:
         """The optimizer step of a parameter stored in `layout` (cost_models.compute)."""
         node = self.graph.node(tensor)
-        return update_cost(node, is_shard(layout), self.kinds, self.graph.update_s, self.reference)
+        return update_cost(node, layout.is_shard, self.kinds, self.graph.update_s, self.reference)
 
     @cached_property
     def reference(self) -> Reference | None:
@@ -251,7 +273,7 @@ class Problem:
         seconds = self.update_linear(tensor, layout).at(shares)
         if not self.memory_weight:
             return seconds
-        mem = param_memory(self.meta(tensor).nbytes, is_shard(layout), self.width)
+        mem = param_memory(self.meta(tensor).nbytes, layout.is_shard, self.width)
         return seconds + self.memory_weight * max(mem.per_device(shares))
 
     # -- collectives ----------------------------------------------------------------------
@@ -259,15 +281,15 @@ class Problem:
         """(each device's share of the split dim within its group, bytes moved per group)."""
         nbytes = float(self.meta(tensor).nbytes)
         if axis == "all":
-            return self.shares(tensor, dst if is_shard(dst) else src), nbytes
-        side = 1 if axis == "inner" else 0   # the side whose placement on this axis splits
-        outer, inner = axes(dst if is_shard(axes(dst)[side]) else src)
+            return self.shares(tensor, dst if dst.is_shard else src), nbytes
+        split = dst if dst.axis(axis).is_shard else src  # the side whose placement on this axis splits
+        outer, inner = split.outer, split.inner
         if axis == "inner":
-            held = self.shares(tensor, join(outer, R))  # what a node works on
-            part = self.shares(tensor, join(outer, inner))
+            held = self.shares(tensor, Layout(outer, Replicate()))  # what a node works on
+            part = self.shares(tensor, split)
             return tuple(p / h if h else 0.0 for p, h in zip(part, held)), nbytes * max(held)
-        held = self.shares(tensor, join(R, inner))       # what one cross-node group works on
-        return self.shares(tensor, join(outer, R)), nbytes * max(held)
+        held = self.shares(tensor, Layout(Replicate(), inner))       # what one cross-node group works on
+        return self.shares(tensor, Layout(outer, Replicate())), nbytes * max(held)
 
     def collective(self, tensor: str, kind: str, src: Layout, dst: Layout, axis: str = "all") -> Step:
         """The cheapest allowed variant of one collective on `tensor`, with the alternatives."""
@@ -311,10 +333,11 @@ class Problem:
             memo[tensor] = (meta.dtype, meta.requires_grad, self.is_multi(tensor), tuple(dims))
         return memo[tensor]
 
-    def _axis_step(self, tensor: str, a: Layout, b: Layout, src: Layout, dst: Layout, axis: str) -> Step | None:
+    def _axis_step(self, tensor: str, a: Placement, b: Placement, src: Layout, dst: Layout,
+                   axis: str) -> Step | None:
         """The instruction turning placement a into b along one axis (src -> dst overall): the
         registered layout change of that pattern (instruction_set.kinds), where it may run."""
-        k = conversion_kind(placement_kind(a), placement_kind(b))
+        k = conversion_kind(a.kind, b.kind)
         if k is None or axis not in k.axes or (k.gradient is False and self.requires_grad(tensor)):
             return None
         if k.category is Category.LOCAL:
@@ -331,28 +354,29 @@ class Problem:
 
     def _single(self, tensor: str, src: Layout, dst: Layout) -> Step | None:
         options = []
-        if not is_two_level(src) and not is_two_level(dst):
-            options.append(self._axis_step(tensor, src, dst, src, dst, "all"))
+        if not src.is_two_level and not dst.is_two_level:
+            options.append(self._axis_step(tensor, src.outer, dst.outer, src, dst, "all"))
         if self.mesh.two_level:
-            (so, si), (do, di) = axes(src), axes(dst)
-            if so == do and si != di and PMAX not in (si, di):
+            (so, si), (do, di), pmax = (src.outer, src.inner), (dst.outer, dst.inner), PartialMax()
+            if so is do and si is not di and pmax not in (si, di):
                 options.append(self._axis_step(tensor, si, di, src, dst, "inner"))
-            if si == di and so != do and PMAX not in (so, do) and not self._nested(si, so, do):
+            if si is di and so is not do and pmax not in (so, do) and not self._nested(si, so, do):
                 options.append(self._axis_step(tensor, so, do, src, dst, "outer"))
         options = [o for o in options if o is not None]
         return min(options, key=lambda s: s.cost_s) if options else None
 
     @staticmethod
-    def _nested(inner: Layout, *outers: Layout) -> bool:
+    def _nested(inner: Placement, *outers: Placement) -> bool:
         """An inside split of the same dim as an across split: the node blocks would move."""
-        d = shard_dim(inner)
-        return d is not None and any(shard_dim(o) == d for o in outers)
+        d = inner.dim
+        return d is not None and any(o.dim == d for o in outers)
 
     def _mids(self, tensor: str, src: Layout, dst: Layout) -> list[Layout]:
         mids = [R] + [S(d) for d in self.shardable_dims(tensor)]
         if self.mesh.two_level:
-            (so, si), (do, di) = axes(src), axes(dst)
-            mids += [join(a, b) for a in (so, do) for b in (si, di)]
+            pmax = PartialMax()  # exists one-level only (a mixed pair reaches nothing)
+            mids += [Layout(a, b) for a in (src.outer, dst.outer) for b in (src.inner, dst.inner)
+                     if (a is pmax) == (b is pmax)]
         return [m for m in dict.fromkeys(mids) if m not in (src, dst) and self.allowed(tensor, m)]
 
     def _paths(self, tensor: str, src: Layout, dst: Layout) -> list[tuple[Step, ...] | None]:

@@ -23,10 +23,10 @@ from itertools import product
 
 from instruction_set.graph import Node
 from instruction_set.kinds import kind as instruction_kind
-from instruction_set.layouts import R, S, Layout, is_shard, is_two_level, join, shard_dim
+from instruction_set.layouts import P, R, S, Layout, Replicate, Shard
 from instruction_set.program import Instruction
 from instruction_set.rules import Rule
-from planner.problem import Problem, Step
+from planner.problem import Problem, Step, StorageClass
 from planner.sfb import sfb_cost
 
 Fact = tuple[str, Layout]
@@ -62,7 +62,7 @@ class Emit:
     kind: str
     tensor: str
     layout: Layout
-    src: Layout = ""
+    src: Layout | None = None
     node: str = ""
     inputs: tuple[Layout, ...] = ()
     local: str = ""
@@ -119,9 +119,10 @@ def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
         layouts = [R]
     elif node.op == "input":
         forced = pb.restrictions.input_layout
-        layouts = [forced] if forced else [R] + ([S(0)] + ([join(S(0), R)] if two else []) if 0 in dims else [])
+        layouts = [forced] if forced else [R] + ([S(0)] + ([Layout(Shard(0), Replicate())] if two else [])
+                                                 if 0 in dims else [])
     else:
-        layouts = [R] + [S(d) for d in dims] + ([join(R, S(d)) for d in dims] if two else [])
+        layouts = [R] + [S(d) for d in dims] + ([Layout(Replicate(), Shard(d)) for d in dims] if two else [])
         layouts = _restrict_params(pb, node, layouts)
     forced = pb.restrictions.force.get(node.name)
     if forced is not None:
@@ -132,11 +133,10 @@ def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
 def _restrict_params(pb: Problem, node: Node, layouts: list[Layout]) -> list[Layout]:
     allowed = pb.restrictions.param_layouts
     if allowed is not None:
-        wild = lambda l: "S*" if l.startswith("S") else ("R|S*" if l.startswith("R|S") else l)
-        layouts = [l for l in layouts if l in allowed or wild(l) in allowed]
+        layouts = [l for l in layouts if StorageClass.of(l) in allowed]
     ndim_min = pb.restrictions.shard_params_with_dims
     if ndim_min is not None and len(node.out.shape) >= ndim_min:
-        layouts = [l for l in layouts if is_shard(l)] or layouts
+        layouts = [l for l in layouts if l.is_shard] or layouts
     return layouts
 
 
@@ -154,11 +154,11 @@ def replica_sync(pb: Problem, param: str, layout: Layout) -> Emit | None:
     """Backward all-reduce over the axes along which a stored parameter is replicated:
     every device for R (bucketed, any variant), across nodes for R|S<d>, none for S<d>."""
     meta = pb.meta(param)
-    if not meta.requires_grad or (is_shard(layout) and not is_two_level(layout)):
+    if not meta.requires_grad or (layout.is_shard and not layout.is_two_level):
         return None
     nbytes, axis = (meta.nbytes, "all") if layout == R else (meta.nbytes * max(pb.shares(param, layout)), "outer")
     seconds = pb.comm.gradient_allreduce(nbytes, axis).at((1.0,) * pb.width)
-    return _emit(kind="all_reduce", tensor=param, layout=layout, src="P", phase="backward",
+    return _emit(kind="all_reduce", tensor=param, layout=layout, src=P, phase="backward",
                  variant=pb.comm.gradient_variant(nbytes, axis), predicted_s=seconds, axis=axis)
 
 
@@ -168,9 +168,9 @@ def _choose_grad_sync(pb: Problem, param: str, consumer: Node, rule: Rule | None
     sfb = _sfb_cost(pb, param, consumer, rule) if rule is not None else None
     options = {"all_reduce": allreduce} | ({"sfb": sfb[0]} if sfb is not None else {})
     if sfb is not None and (sfb[0] < allreduce or pb.restrictions.force_sfb):
-        return _emit(kind="sfb", tensor=param, layout=R, src="P", node=consumer.name,
+        return _emit(kind="sfb", tensor=param, layout=R, src=P, node=consumer.name,
                      phase="backward", variant=sfb[1], predicted_s=sfb[0], alternatives=options)
-    return _emit(kind="all_reduce", tensor=param, layout=R, src="P", phase="backward",
+    return _emit(kind="all_reduce", tensor=param, layout=R, src=P, phase="backward",
                  variant=pb.comm.gradient_variant(meta.nbytes), predicted_s=allreduce, alternatives=options)
 
 
@@ -182,8 +182,8 @@ def sfb_applicable(pb: Problem, param: str, consumer: Node, rule: Rule) -> bool:
         return False
     x_layout = rule.inputs[0]
     ndim = len(pb.meta(consumer.inputs[0]).shape)
-    d = shard_dim(x_layout)
-    return d is not None and d < ndim - 1 and shard_dim(rule.output) is not None
+    d = x_layout.shard_dim
+    return d is not None and d < ndim - 1 and rule.output.shard_dim is not None
 
 
 def _sfb_cost(pb: Problem, param: str, consumer: Node, rule: Rule) -> tuple[float, str] | None:
@@ -204,7 +204,7 @@ def _store(pb: Problem, tensor: str, want: Layout, consumer: Node, rule: Rule) -
         if node.op == "param" and layout == R and node.out.requires_grad:
             sync = _grad_sync(pb, tensor, consumer, rule if want == R else None)
             cost, extra = cost + sync.predicted_s, (sync,)
-        elif node.op == "param" and is_two_level(layout):
+        elif node.op == "param" and layout.is_two_level:
             sync = replica_sync(pb, tensor, layout)
             if sync is not None:
                 cost, extra = cost + sync.predicted_s, (sync,)

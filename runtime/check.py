@@ -99,12 +99,10 @@ def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float
 def pool_worker(rank: int, world: int, plan: Any, config: Any) -> tuple[list[float], dict, dict]:
     """Train a plan on one rank of a RankPool: (global losses, local parameters, buffers)."""
     import torch.distributed as dist
-
-    from runtime.codegen import groups_mesh
     from runtime.groups import Groups
     from runtime.train import local_parameters, model_buffers, setup, train_step
 
-    trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), config)
+    trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     losses = [train_step(trainer, step).loss for step in range(config.steps)]
     return losses, local_parameters(trainer), model_buffers(trainer) if rank == 0 else {}
 

@@ -33,12 +33,12 @@ from torch import fx, nn
 from instruction_set.graph import Node
 from instruction_set.interpret import constant
 from instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
-from instruction_set.layouts import is_shard
+from instruction_set.layouts import P, Layout
 from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
 from instruction_set.plan import Plan
 from instruction_set.program import Instruction
 from instruction_set.rules.state import BUFFER_UPDATE
-from instruction_set.shards import rank_offset
+from instruction_set.shards import MeshLayout
 from runtime.conversions import make_conversion, span
 from runtime.groups import Groups
 from runtime.sfb import SFBLinearModule
@@ -48,7 +48,7 @@ from runtime.sfb import SFBLinearModule
 class LocalParam:
     name: str            # attribute of the GraphModule (the graph's parameter node name)
     fqn: str             # the model's parameter name
-    layout: str          # storage layout
+    layout: Layout       # storage layout
     sync: Instruction | None  # backward all_reduce, or None (sharded, or SFB)
 
 
@@ -56,7 +56,7 @@ class LocalParam:
 class RankProgram:
     module: fx.GraphModule
     params: list[LocalParam]
-    inputs: list[tuple[str, str]]  # (graph input name, layout) in placeholder order
+    inputs: list[tuple[str, Layout]]  # (graph input name, layout) in placeholder order
     updates: list[str] = field(default_factory=list)  # buffer attributes the outputs after the loss update
     ends: list[tuple[int, str]] = field(default_factory=list)  # (instruction index, name of its last fx node)
 
@@ -69,29 +69,22 @@ class FxBuilder:
         return self.graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
 
 
-def local_shape(plan: Plan, tensor: str, layout: str, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def local_shape(plan: Plan, tensor: str, layout: Layout, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     out = list(shape)
-    if is_shard(layout):
+    if layout.is_shard:
         for dim, lengths in plan.lengths(tensor, layout).items():
             out[dim] = lengths[rank]
     return tuple(out)
 
 
-def local_slice(plan: Plan, tensor: str, layout: str, rank: int, full: torch.Tensor) -> torch.Tensor:
+def local_slice(plan: Plan, tensor: str, layout: Layout, rank: int, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole tensor in `layout` (params, buffers, data)."""
-    if not is_shard(layout):
+    if not layout.is_shard:
         return full
-    mesh = groups_mesh(plan)
+    placed = plan.placed(layout)
     for dim, lengths in plan.lengths(tensor, layout).items():
-        full = full.narrow(dim, rank_offset(lengths, layout, dim, mesh, rank), lengths[rank])
+        full = full.narrow(dim, placed.offset(lengths, dim, rank), lengths[rank])
     return full
-
-
-def groups_mesh(plan: Plan):
-    from instruction_set.mesh import Mesh
-
-    nodes, per_node = plan.mesh
-    return Mesh(nodes, per_node, nodes > 1)
 
 
 class _Emitter:
@@ -101,14 +94,14 @@ class _Emitter:
         self.rank = groups.rank
         self.graph = fx.Graph()
         self.root = nn.Module()
-        self.env: dict[tuple[str, str], fx.Node] = {}
+        self.env: dict[tuple[str, Layout], fx.Node] = {}
         self.params: list[LocalParam] = []
-        self.inputs: list[tuple[str, str]] = []
+        self.inputs: list[tuple[str, Layout]] = []
         self.updates: list[tuple[str, fx.Node]] = []
         self.sfb = {i.node: i for i in plan.instructions if i.kind == "sfb"}
         self.syncs = {i.tensor: i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"}
 
-    def _local_value(self, node: Node, layout: str) -> torch.Tensor:
+    def _local_value(self, node: Node, layout: Layout) -> torch.Tensor:
         meta = node.out
         if self.state is None:
             shape = local_shape(self.plan, node.name, layout, self.rank, meta.shape)
@@ -158,7 +151,7 @@ class _Emitter:
         t, layout = node.inputs[0], ins.inputs[0]
         ndim = len(self.plan.graph.node(t).out.shape)
         dim = 0 if node.target == "aten.embedding.default" else node.args[1] % ndim
-        return rank_offset(self.plan.lengths(t, layout)[dim], layout, dim, self.groups.mesh, self.rank)
+        return MeshLayout(self.groups.mesh, layout).offset(self.plan.lengths(t, layout)[dim], dim, self.rank)
 
     def _sfb(self, ins: Instruction, node: Node, values: list[fx.Node]) -> fx.Node:
         sfb = self.sfb[ins.node]
@@ -189,7 +182,7 @@ class _Emitter:
             EMITTERS.get(ins.kind, phase=ins.phase)(self, ins)
             if len(self.graph.nodes) > before and ins.kind not in ("param", "buffer", "input"):
                 ends.append((index, next(iter(reversed(self.graph.nodes))).name))
-        self.graph.output((self.env[(self.plan.graph.loss, "P")], *[v for _, v in self.updates]))
+        self.graph.output((self.env[(self.plan.graph.loss, P)], *[v for _, v in self.updates]))
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
         return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates], ends)
 
@@ -225,7 +218,7 @@ def _global_count(plan: Plan, node: Node) -> int:
     return count
 
 
-def _token_counts(plan: Plan, x: str, layout: str) -> list[int]:
+def _token_counts(plan: Plan, x: str, layout: Layout) -> list[int]:
     shape = plan.graph.node(x).out.shape
     return [int(torch.Size(local_shape(plan, x, layout, r, shape)[:-1]).numel())
             for r in range(plan.cluster.num_devices)]

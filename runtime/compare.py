@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from instruction_set.plan import load_plan
-from runtime.codegen import groups_mesh
 from runtime.config import TrainConfig
 from runtime.emulation import IFACE
 from runtime.groups import Groups
@@ -96,7 +95,7 @@ def compare(rank: int, args: argparse.Namespace) -> None:
     trainers = {}
     for name, path in zip(args.names, args.plans):
         plan = load_plan(path)
-        trainers[name] = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD),
+        trainers[name] = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD),
                                TrainConfig(steps=0))
     times: dict[str, list[float]] = {n: [] for n in trainers}
     losses: dict[str, list[float]] = {n: [] for n in trainers}

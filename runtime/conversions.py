@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from instruction_set.kinds import Implementations
-from instruction_set.layouts import axes, shard_dim
+from instruction_set.layouts import Layout
 from instruction_set.plan import Plan
 from instruction_set.program import Instruction
-from instruction_set.shards import rank_offset
+from instruction_set.shards import MeshLayout
 from runtime import collectives as C
 from runtime.groups import Groups
 
@@ -38,17 +38,12 @@ class Conversion(nn.Module):
         return self.name
 
 
-def _axis_component(layout: str, axis: str) -> str:
-    outer, inner = axes(layout)
-    return {"all": layout, "inner": inner, "outer": outer}[axis]
-
-
-def span(plan: Plan, groups: Groups, tensor: str, layout: str, axis: str) -> C.Span:
+def span(plan: Plan, groups: Groups, tensor: str, layout: Layout, axis: str) -> C.Span:
     """The span of `tensor` split by `layout` along `axis`: my group, its members' lengths."""
     members = tuple(groups.members(axis))
-    placement = _axis_component(layout, axis)
-    dim = shard_dim(placement) if placement[0] == "S" else 0
-    lengths = plan.lengths(tensor, layout)[dim] if placement[0] == "S" else (0,) * plan.cluster.num_devices
+    placement = layout.axis(axis)
+    dim = placement.dim if placement.is_shard else 0
+    lengths = plan.lengths(tensor, layout)[dim] if placement.is_shard else (0,) * plan.cluster.num_devices
     return C.Span(groups.group(axis), members, groups.index(axis), dim,
                   tuple(lengths[m] for m in members))
 
@@ -110,11 +105,11 @@ def _partial(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
 def _slice(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
     """R -> S(d) along one axis: my rows of the local tensor. Inside a node, slicing a dim the
     node already holds a block of (one-level S(d) from S(d)|R), rows count from the block."""
-    dim = shard_dim(_axis_component(ins.layout, ins.axis))
+    dim = ins.layout.axis(ins.axis).dim
     lengths = plan.lengths(ins.tensor, ins.layout)[dim]
     mesh, rank = groups.mesh, groups.rank
-    offset = rank_offset(lengths, ins.layout, dim, mesh, rank)
-    if ins.axis == "inner" and shard_dim(axes(ins.layout)[0]) == dim:
+    offset = MeshLayout(mesh, ins.layout).offset(lengths, dim, rank)
+    if ins.axis == "inner" and ins.layout.outer.dim == dim:
         offset -= sum(lengths[:mesh.node(rank) * mesh.per_node])
     length = lengths[rank]
     return Conversion("Slice", lambda x: C.slice_rows(x, dim, offset, length),

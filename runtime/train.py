@@ -24,13 +24,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from instruction_set.layouts import axes, is_shard
+from instruction_set.layouts import Layout
 from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.plan import Plan
 from instruction_set.precision import float_everywhere, with_float_dtype
 from instruction_set.program import GRAD_BUCKET_BYTES
-from instruction_set.shards import rank_offset
-from runtime.codegen import RankProgram, build_rank_program, groups_mesh
+from instruction_set.shards import MeshLayout
+from runtime.codegen import RankProgram, build_rank_program
 from runtime.collectives.allreduce import reduce_sum
 from runtime.config import TrainConfig
 from runtime.groups import Groups
@@ -93,12 +93,12 @@ def _param_names(spec: ModelSpec) -> set[str]:
 
 # -- data ---------------------------------------------------------------------------------------
 
-def rank_rows(plan: Plan, tensor: str, layout: str, rank: int, batch: int) -> range:
+def rank_rows(plan: Plan, tensor: str, layout: Layout, rank: int, batch: int) -> range:
     """The rows of the global batch this rank holds for an input in `layout`."""
-    if not is_shard(layout) or 0 not in plan.lengths(tensor, layout):
+    if not layout.is_shard or 0 not in plan.lengths(tensor, layout):
         return range(batch)
     lengths = plan.lengths(tensor, layout)[0]
-    start = rank_offset(lengths, layout, 0, groups_mesh(plan), rank)
+    start = plan.placed(layout).offset(lengths, 0, rank)
     return range(start, start + lengths[rank])
 
 
@@ -161,13 +161,9 @@ def update_buffers(trainer: Trainer, values: Sequence[torch.Tensor]) -> None:
             getattr(module, name).copy_(value)
 
 
-def counts_once(groups: Groups, layout: str) -> bool:
+def counts_once(groups: Groups, layout: Layout) -> bool:
     """Whether this rank's copy of a parameter counts in global sums (first replica)."""
-    outer, inner = axes(layout)
-    mesh, rank = groups.mesh, groups.rank
-    if not mesh.two_level:
-        return is_shard(layout) or rank == 0
-    return (is_shard(outer) or mesh.node(rank) == 0) and (is_shard(inner) or mesh.local(rank) == 0)
+    return MeshLayout(groups.mesh, layout).counts_once(groups.rank)
 
 
 def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
@@ -293,9 +289,9 @@ def _reference_steps(spec: ModelSpec, model: torch.nn.Module, optimizer: torch.o
     return losses
 
 
-def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Whole parameters from every rank's slices (replicated copies must agree)."""
-    mesh = groups_mesh(plan)
+    mesh = plan.mesh
     by_fqn = {n.fqn: n for n in plan.graph.params}
     out = {}
     for fqn, (layout, _) in per_rank[0].items():
@@ -303,9 +299,9 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[str, torch.Tensor]]]
         full = torch.full(node.out.shape, float("nan"), dtype=per_rank[0][fqn][1].dtype)
         for rank, params in enumerate(per_rank):
             index = [slice(None)] * full.dim()
-            if is_shard(layout):
+            if layout.is_shard:
                 for dim, lengths in plan.lengths(node.name, layout).items():
-                    start = rank_offset(lengths, layout, dim, mesh, rank)
+                    start = MeshLayout(mesh, layout).offset(lengths, dim, rank)
                     index[dim] = slice(start, start + lengths[rank])
             full[tuple(index)] = params[fqn][1]
         out[fqn] = full

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from instruction_set.plan import load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from runtime.codegen import groups_mesh
 from runtime.config import add_train_arguments, train_config
 from runtime.groups import Groups
 from runtime.outputs import check_outputs
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # before any work: a bad path must not cost the run
             check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out})
         plan = load_plan(args.plan)
-        groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD)
+        groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
         config = train_config(args)
         trainer = setup(plan, groups, config, device)
         start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0

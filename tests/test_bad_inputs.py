@@ -161,7 +161,10 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("lengths swapped", lambda t, p: ["explain", _plan(t, p, lambda r: _reverse(_split(r, uneven=True)))],
      "are not the plan's sharding ratios rounded"),
     ("lengths missing", lambda t, p: ["explain", _plan(t, p, lambda r: r["shards"].clear())], "the shard table has no lengths for"),
-    ("mesh", lambda t, p: ["explain", _plan(t, p, lambda r: r.update(mesh=[3, 5]))], "mesh [3, 5]: 3 x 5 must equal the cluster's 4 devices"),
+    ("mesh", lambda t, p: ["explain", _plan(t, p, lambda r: r["mesh"].update(num_nodes=3, per_node=5))],
+     "mesh 3 x 5 from rank 0: must cover the cluster's 4 devices"),
+    ("layout", lambda t, p: ["explain", _plan(t, p, lambda r: r["instructions"][0].update(layout="S0|Q"))],
+     "layout 'S0|Q' is not a layout: 'Q' is no placement; use R, P, Pmax, S<d>"),
     # traces and reports (issue 19)
     ("trace: no plan", lambda t, p: ["trace", f"{t}/missing.json", "-o", _out(t)], "missing.json' does not exist"),
     ("trace: no -o dir", lambda t, p: ["trace", _same(t, p), "-o", f"{t}/nodir/p.json"], "nodir' does not exist"),

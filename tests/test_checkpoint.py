@@ -21,11 +21,10 @@ def save_worker(rank: int, world: int, plan, config: TrainConfig, path: str) -> 
     import torch.distributed as dist
 
     from runtime.checkpoint import save_checkpoint
-    from runtime.codegen import groups_mesh
     from runtime.groups import Groups
     from runtime.train import setup, train_step
 
-    trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), config)
+    trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     losses = [train_step(trainer, s).loss for s in range(config.steps)]
     save_checkpoint(trainer, path, config.steps)
     return losses
@@ -35,11 +34,10 @@ def resume_worker(rank: int, world: int, plan, config: TrainConfig, path: str) -
     import torch.distributed as dist
 
     from runtime.checkpoint import load_checkpoint
-    from runtime.codegen import groups_mesh
     from runtime.groups import Groups
     from runtime.train import setup, train_step
 
-    trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), config)
+    trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     start = load_checkpoint(trainer, path)
     return [train_step(trainer, s).loss for s in range(start, config.steps)]
 

@@ -19,6 +19,8 @@ import pytest
 import hetsynth
 from instruction_set.cluster import load_cluster
 from instruction_set.graph import ReferenceGraph
+from instruction_set.layouts import Shard
+from instruction_set.mesh import Mesh
 from planner.capture import summarize
 from planner.planner import make_plan
 from planner.problem import Restrictions
@@ -44,7 +46,7 @@ def inspect(ref: str) -> ReferenceGraph:
 def test_family_plans_and_trains_exactly(pools, ref: str) -> None:
     graph = inspect(ref)
     plan = make_plan(graph, load_cluster(CLUSTER).first(4), ratios=RATIOS, progress=False, with_baselines=False)
-    assert plan.mesh == (2, 2) and plan.model.dtype == "float32"
+    assert plan.mesh == Mesh(2, 2, True) and plan.model.dtype == "float32"
     float32, float64 = check_on_pool(pools.get(4), plan, CONFIG)
     assert float64.ok, float64.describe()
     assert float32.ok, float32.describe()  # information in the CLI; a gross error here is a bug
@@ -67,7 +69,7 @@ def test_batchnorm_running_statistics_match_single_device(pools) -> None:
     plan = make_plan(graph, load_cluster(CLUSTER).first(4), ratios=RATIOS, progress=False, with_baselines=False,
                      restrictions=Restrictions(force={n: "P" for n in stats}))
     batch_split = [i for i in plan.instructions if i.kind == "compute" and i.node in stats]
-    assert len(batch_split) == len(stats) >= 10 and all(i.inputs[0].startswith("S0") for i in batch_split)
+    assert len(batch_split) == len(stats) >= 10 and all(i.inputs[0].outer is Shard(0) for i in batch_split)
     assert any(i.kind == "all_reduce" and i.tensor in stats for i in plan.instructions)
     results = pools.get(4).run(pool_worker, plan, CONFIG, timeout_s=600)
     _, expected = plan_reference(plan, CONFIG)

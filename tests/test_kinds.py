@@ -12,11 +12,12 @@ import hetsynth
 from cost_models.comm import FORMULAS
 from instruction_set import kinds as K
 from instruction_set.kinds import Category, InstructionKind, MissingImplementation, Phase, conversion_kind
+from instruction_set.layouts import PlacementKind
 from instruction_set.plan import PlanError, plan_from_json
 from instruction_set.program import Instruction
 from planner.evaluate import TERMS, instruction_term
 from planner.problem import Problem
-from runtime.codegen import EMITTERS, build_rank_program, groups_mesh
+from runtime.codegen import EMITTERS, build_rank_program
 from runtime.conversions import CONVERSIONS
 from runtime.groups import Groups
 
@@ -63,8 +64,8 @@ def test_conversion_table() -> None:
     expected = {("S", "R"): "all_gather", ("P", "S"): "reduce_scatter", ("P", "R"): "all_reduce",
                 ("Pmax", "R"): "all_reduce_max", ("S", "S"): "all_to_all", ("R", "S"): "slice",
                 ("R", "P"): "partial"}
-    for a in ("R", "S", "P", "Pmax"):
-        for b in ("R", "S", "P", "Pmax"):
+    for a in PlacementKind:
+        for b in PlacementKind:
             found = conversion_kind(a, b)
             assert (found.name if found else None) == expected.get((a, b)), (a, b)
 
@@ -96,7 +97,7 @@ def test_planning_a_kind_without_a_cost_term_fails_loudly(plan: hetsynth.Plan, s
 def test_running_a_kind_without_codegen_fails_before_emitting(plan: hetsynth.Plan, scratch: Instruction) -> None:
     bad = plan.model_copy(update={"instructions": (*plan.instructions, scratch)})
     with pytest.raises(MissingImplementation, match="codegen for instruction kind 'scratch'.*all_gather"):
-        build_rank_program(bad, Groups.local_only(groups_mesh(bad), 0))
+        build_rank_program(bad, Groups.local_only(bad.mesh, 0))
 
 
 def test_a_plan_with_an_unknown_kind_does_not_load(plan: hetsynth.Plan) -> None:

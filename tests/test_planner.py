@@ -13,6 +13,7 @@ import torch
 
 import hetsynth
 from instruction_set.cluster import cluster_from_dict, load_cluster
+from instruction_set.layouts import R, Layout
 from instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
 from planner import baselines
 from planner.planner import PlanInfeasible, search_plan
@@ -48,7 +49,7 @@ def test_json_round_trip(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) -> None:
 def test_other_version_is_refused(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) -> None:
     raw = json.loads(gpt_a100_t4.model_dump_json())
     raw["version"] = PLAN_VERSION + 1
-    with pytest.raises(PlanError, match=f"version {PLAN_VERSION + 1}.*reads version {PLAN_VERSION}"):
+    with pytest.raises(PlanError, match=f"version {PLAN_VERSION + 1}.*reads versions 1 and {PLAN_VERSION}"):
         plan_from_json(raw, "old.json")
     with pytest.raises(PlanError, match="not a hetsynth plan"):
         plan_from_json({"hello": 1}, "x.json")
@@ -56,16 +57,16 @@ def test_other_version_is_refused(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) ->
 
 def test_every_sharded_layout_has_lengths(gpt_a100_t4: hetsynth.Plan) -> None:
     plan = gpt_a100_t4
-    nodes, per_node = plan.mesh
+    nodes, per_node = plan.mesh.num_nodes, plan.mesh.per_node
     for ins in plan.instructions:
-        if "S" not in ins.layout:
+        if not ins.layout.is_shard:
             continue
         for dim, lengths in plan.lengths(ins.tensor, ins.layout).items():
             size = plan.graph.node(ins.tensor).outputs[0].shape[dim]
             assert len(lengths) == plan.cluster.num_devices
-            if "|" not in ins.layout:       # split over all devices
+            if not ins.layout.is_two_level:       # split over all devices
                 assert sum(lengths) == size
-            elif ins.layout.split("|")[0] == f"S{dim}":   # across nodes: one block per node
+            elif ins.layout.outer.dim == dim:     # across nodes: one block per node
                 assert sum(lengths[::per_node]) == size
             else:                           # inside every node
                 assert all(sum(lengths[j * per_node:(j + 1) * per_node]) == size for j in range(nodes))
@@ -171,7 +172,7 @@ def test_inapplicable_variants_stay_out_of_plans() -> None:
     cluster = load_cluster(CLUSTERS / "local-emulated.toml")
     pb = Problem(graph, cluster, baselines.even(cluster))
     linear = next(n.name for n in graph.calls if n.target == "aten.linear.default")
-    step = pb.collective(linear, "all_reduce", "P|S2", "R|S2", "outer")
+    step = pb.collective(linear, "all_reduce", Layout.parse("P|S2"), Layout.parse("R|S2"), "outer")
     assert step.variant == "ring" and all(math.isfinite(c) for _, c in step.alternatives)
 
 
@@ -182,6 +183,6 @@ def test_data_parallel_space_picks_sfb_where_it_pays() -> None:
     cluster = str(CLUSTERS / "local-emulated.toml")
     vgg = hetsynth.plan("vgg:small-cpu", cluster=cluster, batch_size=32, data_parallel=True)
     assert {i.tensor for i in vgg.instructions if i.kind == "sfb"} == {"p_fc1_weight", "p_fc2_weight"}
-    assert all(i.layout == "R" for i in vgg.instructions if i.kind == "param")
+    assert all(i.layout is R for i in vgg.instructions if i.kind == "param")
     gpt = hetsynth.plan("gpt:small-cpu", cluster=cluster, data_parallel=True)
     assert not any(i.kind == "sfb" for i in gpt.instructions)

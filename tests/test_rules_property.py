@@ -21,7 +21,7 @@ from torch import nn
 
 from instruction_set.graph import Node, ReferenceGraph
 from instruction_set.interpret import call_node
-from instruction_set.layouts import P, PMAX, R, shard_dim
+from instruction_set.layouts import P, PMAX, R, Layout
 from instruction_set.local import EagerBuilder, LocalContext, emit_local
 from instruction_set.rules import Rule, rules_for
 from instruction_set.rules.state import BUFFER_UPDATE
@@ -173,7 +173,7 @@ def _values(graph: ReferenceGraph, module: nn.Module, inputs: tuple) -> dict:
     return env
 
 
-def _split(value: torch.Tensor, layout: str, lengths: dict, n: int, g: torch.Generator) -> list:
+def _split(value: torch.Tensor, layout: Layout, lengths: dict, n: int, g: torch.Generator) -> list:
     if layout == R:
         return [value] * n
     if layout == P:
@@ -181,11 +181,11 @@ def _split(value: torch.Tensor, layout: str, lengths: dict, n: int, g: torch.Gen
             return [torch.zeros_like(value)] * (n - 1) + [value]
         parts = [torch.randn(value.shape, generator=g, dtype=value.dtype) for _ in range(n - 1)]
         return parts + [value - sum(parts)]
-    d = shard_dim(layout)
+    d = layout.shard_dim
     return list(torch.split(value, lengths[d], dim=d))
 
 
-def _combine(parts: list, layout: str, lengths: dict) -> torch.Tensor:
+def _combine(parts: list, layout: Layout, lengths: dict) -> torch.Tensor:
     if isinstance(parts[0], (tuple, list)):
         return [_combine([p[i] for p in parts], layout, lengths) for i in range(len(parts[0]))]
     if layout == P:
@@ -196,11 +196,11 @@ def _combine(parts: list, layout: str, lengths: dict) -> torch.Tensor:
         for p in parts[1:]:
             torch.testing.assert_close(p, parts[0], rtol=1e-9, atol=1e-9)
         return parts[0]
-    return torch.cat(parts, dim=shard_dim(layout))
+    return torch.cat(parts, dim=layout.shard_dim)
 
 
-def _lengths(classes: DimClasses, tensor: str, layout: str, ratios: list[float]) -> dict:
-    d = shard_dim(layout)
+def _lengths(classes: DimClasses, tensor: str, layout: Layout, ratios: list[float]) -> dict:
+    d = layout.shard_dim
     return {d: classes.lengths(tensor, d, ratios)} if d is not None else {}
 
 
@@ -229,7 +229,7 @@ def _check_rule(node: Node, rule: Rule, env: dict, classes: DimClasses, ratios: 
                             if p.startswith("once:")) if rank != 0 else frozenset()
         offsets = {}
         if rule.local in ("gather_sharded", "embedding_sharded"):
-            d = shard_dim(rule.inputs[0])
+            d = rule.inputs[0].shard_dim
             offsets[0] = sum(classes.lengths(node.inputs[0], d, ratios)[:rank])
         count = math.prod(env[node.inputs[0]].shape[i] for i in _mean_dims(node, env)) if rule.local == "mean_global" else 1
         ctx = LocalContext(tuple(shapes), dropped=dropped, offsets=offsets, global_count=count)

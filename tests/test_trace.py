@@ -86,13 +86,11 @@ CONFIG = TrainConfig(steps=3, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 
 def traced_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> tuple:
     import torch.distributed as dist
-
-    from runtime.codegen import groups_mesh
     from runtime.groups import Groups
     from runtime.timing import StepTracer
     from runtime.train import local_parameters, setup, train_step
 
-    trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), config)
+    trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     tracer = StepTracer(trainer)
     losses = [(tracer.step(s) if s >= 1 else train_step(trainer, s)).loss for s in range(config.steps)]
     return losses, tracer.record(), local_parameters(trainer)

@@ -27,13 +27,14 @@ import torch.testing._internal.distributed.fake_pg as fake_pg
 from hetsynth import capture_model
 from instruction_set.cluster import ClusterSpec, load_cluster
 from instruction_set.graph import ReferenceGraph
+from instruction_set.layouts import Shard
 from instruction_set.mesh import Mesh
 from instruction_set.models import parse_model_ref
 from instruction_set.plan import Plan
 from planner import baselines
 from planner.planner import make_plan
 from planner.problem import Restrictions
-from runtime.codegen import build_rank_program, groups_mesh
+from runtime.codegen import build_rank_program
 from runtime.groups import Groups
 from runtime.train import full_state, rank_rows
 from test_parity import check, nodes
@@ -67,10 +68,10 @@ def dry_run(plan: Plan) -> None:
     state = full_state(spec, seed=0)
     batch = spec.batch_size
     world = plan.cluster.num_devices
-    for rank in sample_ranks(groups_mesh(plan)):
+    for rank in sample_ranks(plan.mesh):
         dist.init_process_group("fake", rank=rank, world_size=world, store=fake_pg.FakeStore())
         try:
-            groups = Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD,
+            groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD,
                                    timeout=datetime.timedelta(seconds=60))  # the fake group has no options
             program = build_rank_program(plan, groups, state=state)
             names = [n.name for n in plan.graph.nodes if n.op == "input"]
@@ -119,7 +120,8 @@ def _tied_plan(cluster: ClusterSpec) -> Plan:
     ref = "gpt:tiny,dtype=float64"
     plan = _plan(ref, cluster, Restrictions(force=vocab_parallel_inside(_capture(ref))))
     gather = next(i for i in plan.instructions if i.kind == "compute" and "gather" in i.node)
-    assert gather.inputs[0].startswith("S0|S") and gather.local == "gather_sharded", gather
+    x = gather.inputs[0]
+    assert x.outer is Shard(0) and x.inner.is_shard and x.is_two_level and gather.local == "gather_sharded", gather
     return plan
 
 

@@ -30,7 +30,7 @@ import torch
 
 from instruction_set.graph import Node, TensorMeta
 from instruction_set.interpret import resolve_target
-from instruction_set.layouts import PMAX, R, Layout, join
+from instruction_set.layouts import PMAX, R, Layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +44,16 @@ class Rule:
 def product_rule(outer: Rule, inner: Rule) -> Rule | None:
     """The two-level rule applying `outer` across nodes and `inner` inside each node.
 
-    Layouts join per input and for the output (instruction_set.layouts.join). A local rewrite
+    Layouts pair their one-level placements per input and for the output
+    (`Layout(outer, inner)`; equal ones stay one-level). A local rewrite
     present on one axis only is tagged with it: `once:1@outer` adds input 1 on the ranks of
     node 0 only, `once:1@inner` on local rank 0 of every node; on both axes it stays `once:1`
     (rank 0 only). Pmax exists one-level only, so rules mixing it are dropped."""
     layouts = list(zip(outer.inputs, inner.inputs)) + [(outer.output, inner.output)]
-    if any((a == PMAX) != (b == PMAX) for a, b in layouts):
+    if any((a is PMAX) != (b is PMAX) for a, b in layouts):
         return None
-    return Rule(tuple(join(a, b) for a, b in zip(outer.inputs, inner.inputs)),
-                join(outer.output, inner.output), _join_local(outer.local, inner.local), (outer, inner))
+    return Rule(tuple(Layout(a.outer, b.outer) for a, b in zip(outer.inputs, inner.inputs)),
+                Layout(outer.output.outer, inner.output.outer), _join_local(outer.local, inner.local), (outer, inner))
 
 
 def _join_local(outer: str, inner: str) -> str:
@@ -126,15 +127,15 @@ def rules_for(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     if fn is None:
         raise KeyError(f"no sharding rule for {node.target} ({node.name})")
     rules = fn(node, metas)
-    assert any(r.output == R and all(i == R for i in r.inputs) for r in rules), node.target
+    assert any(r.output is R and all(i is R for i in r.inputs) for r in rules), node.target
     return [r for r in _dedup(rules) if _partials_are_float(r, node, metas)]
 
 
 def _partials_are_float(rule: Rule, node: Node, metas: tuple[TensorMeta, ...]) -> bool:
     """Partial sums are kept for floating-point tensors only."""
-    if rule.output[0] == "P" and not node.outputs[0].is_float:
+    if rule.output.outer.is_partial and not node.outputs[0].is_float:
         return False
-    return all(layout[0] != "P" or m.is_float for layout, m in zip(rule.inputs, metas))
+    return all(not layout.outer.is_partial or m.is_float for layout, m in zip(rule.inputs, metas))
 
 
 def _dedup(rules: list[Rule]) -> list[Rule]:
