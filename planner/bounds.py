@@ -37,8 +37,8 @@ class ChainBound:
         self._out: dict[tuple[str, Layout], float] = {}
         self._suffix: dict[tuple[str, frozenset[Layout]], list[float]] = {}
         self._options: dict[tuple[str, int], list[tuple[tuple[Layout, ...], float, str, Layout]]] = {}
-        self._conv: dict[tuple[str, frozenset[Layout], Layout], float] = {}
-        self._shared_conv: dict[tuple[int, frozenset[Layout], Layout], float] = {}
+        self._conv: dict[tuple[int, frozenset[Layout], Layout], float] = {}  # by structure id
+        self._sid: dict[str, int] = {}
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(pb.order) + 1000))
 
     def bound(self, tensor: str, held: frozenset[Layout], k: int) -> float:
@@ -82,14 +82,13 @@ class ChainBound:
     def _conversion(self, tensor: str, held: frozenset[Layout], want: Layout) -> float:
         """Cheapest conversion from a held layout; shared by tensors of the same structure,
         as Problem.conversion is."""
-        key = (tensor, held, want)
+        sid = self._sid.get(tensor)
+        if sid is None:
+            sid = self._sid[tensor] = self.pb.structure_id(tensor)
+        key = (sid, held, want)
         cost = self._conv.get(key)
         if cost is None:
-            skey = (self.pb.structure_id(tensor), held, want)
-            cost = self._shared_conv.get(skey)
-            if cost is None:
-                costs = [sum(s.cost_s for s in p) for p in (self.pb.conversion(tensor, h, want) for h in held)
-                         if p is not None]
-                cost = self._shared_conv[skey] = min(costs, default=INF)
-            self._conv[key] = cost
+            costs = [sum(s.cost_s for s in p) for p in (self.pb.conversion(tensor, h, want) for h in held)
+                     if p is not None]
+            cost = self._conv[key] = min(costs, default=INF)
         return cost
