@@ -37,7 +37,8 @@ class ChainBound:
         self._out: dict[tuple[str, Layout], float] = {}
         self._suffix: dict[tuple[str, frozenset[Layout]], list[float]] = {}
         self._options: dict[tuple[str, int], list[tuple[tuple[Layout, ...], float, str, Layout]]] = {}
-        self._conv: dict[tuple[str, frozenset[Layout], Layout], float] = {}
+        self._conv: dict[tuple[int, frozenset[Layout], Layout], float] = {}  # by structure id
+        self._sid: dict[str, int] = {}
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(pb.order) + 1000))
 
     def bound(self, tensor: str, held: frozenset[Layout], k: int) -> float:
@@ -79,9 +80,15 @@ class ChainBound:
         return self._options[key]
 
     def _conversion(self, tensor: str, held: frozenset[Layout], want: Layout) -> float:
-        key = (tensor, held, want)
-        if key not in self._conv:
+        """Cheapest conversion from a held layout; shared by tensors of the same structure,
+        as Problem.conversion is."""
+        sid = self._sid.get(tensor)
+        if sid is None:
+            sid = self._sid[tensor] = self.pb.structure_id(tensor)
+        key = (sid, held, want)
+        cost = self._conv.get(key)
+        if cost is None:
             costs = [sum(s.cost_s for s in p) for p in (self.pb.conversion(tensor, h, want) for h in held)
                      if p is not None]
-            self._conv[key] = min(costs, default=INF)
-        return self._conv[key]
+            cost = self._conv[key] = min(costs, default=INF)
+        return cost

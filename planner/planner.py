@@ -94,12 +94,12 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
     for _ in range(max_rounds):
         stats.rounds += 1
         result = _best_program(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
-        current = _evaluate(graph, cluster, ratios, result.instructions, restrictions)
+        pb = Problem(graph, cluster, ratios, restrictions)
+        terms = program_terms(pb, result.instructions)
+        current = Candidate(tuple(ratios), tuple(result.instructions), predict(pb, terms))
         best = current if current.better_than(best) else best
         if fixed:
             break
-        pb = Problem(graph, cluster, ratios, restrictions)
-        terms = program_terms(pb, result.instructions)
         try:
             solution = solve_ratios(terms, [k.memory_gib for k in pb.kinds], classes=pb.devices)
         except MemoryInfeasible:

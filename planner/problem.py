@@ -231,12 +231,32 @@ class Problem:
         return self._compute[key]
 
     def compute_s(self, node: Node, rule_index: int) -> float:
-        """Compute seconds of a node under a rule (plus the memory penalty, if any)."""
+        """Compute seconds of a node under a rule (plus the memory penalty, if any), shared by
+        nodes of the same op structure under rules of the same layouts (the layers of a
+        repeated block)."""
         memo = self.memo.setdefault("compute_s", {})
         key = (node.name, rule_index)
         if key not in memo:
-            memo[key] = self._compute_s(node, rule_index)
+            shared = self.memo.setdefault("compute_s_shared", {})
+            rule = self.rules[node.name][rule_index]
+            skey = (self._op_id(node), rule.inputs, rule.output)
+            if skey not in shared:
+                shared[skey] = self._compute_s(node, rule_index)
+            memo[key] = shared[skey]
         return memo[key]
+
+    def _op_id(self, node: Node) -> int:
+        """A small integer naming all a node's compute cost depends on besides the rule's
+        layouts: op, FLOPs, measured time, outputs, and the structure of inputs and output."""
+        memo = self.memo.setdefault("op_id", {})
+        if node.name not in memo:
+            ids = self.memo.setdefault("op_ids", {})
+            key = (node.target, node.flops_fwd, node.flops_bwd, node.measured_s,
+                   tuple((o.shape, o.dtype, o.requires_grad) for o in node.outputs),
+                   tuple(self.structure_id(t) for t in node.inputs),
+                   self.structure_id(node.name) if node.outputs else None)
+            memo[node.name] = ids.setdefault(key, len(ids))
+        return memo[node.name]
 
     def _compute_s(self, node: Node, rule_index: int) -> float:
         rule = self.rules[node.name][rule_index]
@@ -331,6 +351,14 @@ class Problem:
                 cls = self.classes.classes[self.classes.class_id(tensor, d)]
                 dims.append((size, cls.root_size, cls.unit, self.classes.class_id(tensor, d) in self.batch_classes))
             memo[tensor] = (meta.dtype, meta.requires_grad, self.is_multi(tensor), tuple(dims))
+        return memo[tensor]
+
+    def structure_id(self, tensor: str) -> int:
+        """A small integer naming structure(tensor), cheap to hash in memo keys."""
+        memo = self.memo.setdefault("structure_id", {})
+        if tensor not in memo:
+            ids = self.memo.setdefault("structure_ids", {})
+            memo[tensor] = ids.setdefault(self.structure(tensor), len(ids))
         return memo[tensor]
 
     def _axis_step(self, tensor: str, a: Placement, b: Placement, src: Layout, dst: Layout,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import lru_cache
 from typing import Sequence
 
 from planner.problem import Problem
@@ -72,10 +73,18 @@ def canonical_facts(facts: frozenset[Fact], names: tuple[str, ...]) -> frozenset
     return frozenset((token[t], layout) for t, layout in facts)
 
 
+@lru_cache(maxsize=1 << 16)
 def _tokens(names: tuple[str, ...]) -> dict[str, str]:
+    """Tensor -> token (read only: shared by every call with these names)."""
     token = {t: f"#{i}" for i, t in enumerate(names[:-1])}
     token[names[-1]] = OUT
     return token
+
+
+@lru_cache(maxsize=1 << 16)
+def _back(names: tuple[str, ...]) -> dict[str, str]:
+    """Token -> tensor (read only)."""
+    return {v: k for k, v in _tokens(names).items()}
 
 
 def canonical_move(move: Move, names: tuple[str, ...]) -> Move:
@@ -89,7 +98,7 @@ def canonical_move(move: Move, names: tuple[str, ...]) -> Move:
 
 def instantiate(move: Move, names: tuple[str, ...]) -> Move:
     """The canonical move for this node: facts renamed now, instructions when resolved."""
-    back = {v: k for k, v in _tokens(names).items()}
+    back = _back(names)
     added = frozenset((back.get(t, t), layout) for t, layout in move.added)
     return Move(move.rule_index, move.cost, added, move.instructions, back)
 

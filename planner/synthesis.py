@@ -121,7 +121,9 @@ class _Facts:
         self.facts: list[Fact] = []
         self.tensor: list[str] = []
         self.free: list[bool] = []        # (t, L) follows from (t, R) at no cost (a local slice)
+        self.free_ids: set[int] = set()   # the ids i with free[i]
         self.r_id: dict[str, int] = {}    # tensor -> id of its R fact
+        self.ids_of: dict[str, list[int]] = {}  # tensor -> ids of its facts
         dead: list[list[str]] = [[] for _ in pb.order]
         for tensor, k in pb.last_use.items():
             if k < len(pb.order):
@@ -141,6 +143,9 @@ class _Facts:
                 self.facts.append(f)
                 self.tensor.append(f[0])
                 self.free.append(f[1] != R and self._free_from_r(*f))
+                self.ids_of.setdefault(f[0], []).append(i)
+                if self.free[i]:
+                    self.free_ids.add(i)
                 if f[1] == R:
                     self.r_id[f[0]] = i
             out.append(i)
@@ -153,20 +158,25 @@ class _Facts:
     def prune(self, ids: frozenset[int]) -> frozenset[int]:
         """Without the facts that follow at no cost from an R fact also held: a consumer
         re-derives them for free, so states that differ only in them are one state."""
-        if not any(self.free[i] for i in ids):
+        free = self.free_ids.intersection(ids)
+        if not free:
             return ids
-        return frozenset(i for i in ids if not (self.free[i] and self.r_id.get(self.tensor[i]) in ids))
+        implied = [i for i in free if self.r_id.get(self.tensor[i]) in ids]
+        return ids.difference(implied) if implied else ids
 
     def decode(self, ids: frozenset[int]) -> frozenset[Fact]:
         return frozenset(self.facts[i] for i in ids)
 
+    def _ids(self, tensors: frozenset[str]) -> list[int]:
+        return [i for t in tensors for i in self.ids_of.get(t, ())]
+
     def restrict(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
         """The facts about these tensors."""
-        return frozenset(i for i in ids if self.tensor[i] in tensors)
+        return ids.intersection(self._ids(tensors)) if tensors else frozenset()
 
     def drop(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
         """The facts about other tensors."""
-        return frozenset(i for i in ids if self.tensor[i] not in tensors) if tensors else ids
+        return ids.difference(self._ids(tensors)) if tensors else ids
 
 
 class _Pending:
@@ -179,6 +189,9 @@ class _Pending:
             for t in set(node.inputs):
                 self.consumers.setdefault(t, []).append(k)
         self.memo: dict[tuple[str, frozenset[Layout], int], float] = {}
+        self.wants: dict[tuple[str, int], int] = {}  # (t, j) -> id of t's layouts per rule of j
+        self.wants_ids: dict[tuple[tuple[Layout, ...], ...], int] = {}
+        self.shared: dict[tuple[int, frozenset[Layout], int], float] = {}
 
     def bound(self, tensor: str, held: frozenset[Layout], k: int) -> float:
         users = self.consumers.get(tensor, ())
@@ -189,10 +202,24 @@ class _Pending:
         return self.memo[key]
 
     def _consumer(self, tensor: str, held: frozenset[Layout], j: int) -> float:
+        """The bound for consumer j, shared by tensors of the same structure that consumers
+        want in the same layouts per rule (all it depends on)."""
         key = (tensor, held, j)
         if key not in self.memo:
-            self.memo[key] = self._consumer_bound(tensor, held, j)
+            skey = (self.pb.structure_id(tensor), held, self._wants_id(tensor, j))
+            if skey not in self.shared:
+                self.shared[skey] = self._consumer_bound(tensor, held, j)
+            self.memo[key] = self.shared[skey]
         return self.memo[key]
+
+    def _wants_id(self, tensor: str, j: int) -> int:
+        key = (tensor, j)
+        if key not in self.wants:
+            node = self.pb.order[j]
+            wants = tuple(tuple(w for t, w in zip(node.inputs, rule.inputs) if t == tensor)
+                          for rule in self.pb.rules[node.name])
+            self.wants[key] = self.wants_ids.setdefault(wants, len(self.wants_ids))
+        return self.wants[key]
 
     def _consumer_bound(self, tensor: str, held: frozenset[Layout], j: int) -> float:
         node = self.pb.order[j]
@@ -241,15 +268,28 @@ class _Search:
         self.depth_cap = width * MAX_STRATA
         self.long_lived = self._long_lived()
         self.h_memo: dict[tuple[int, frozenset[int]], float] = {}
+        self.t_memo: dict[tuple[str, frozenset[Layout], int], tuple[float, float]] = {}
         self.exact = True
 
     def h(self, k: int, mask: frozenset[int]) -> float:
-        held: dict[str, set[Layout]] = {}
-        for t, layout in self.F.decode(mask):
-            held.setdefault(t, set()).add(layout)
-        conversions = sum(self.pending.bound(t, frozenset(ls), k) for t, ls in held.items())
-        chains = max((self.chains.bound(t, frozenset(ls), k) for t, ls in held.items()), default=0.0)
+        held: dict[str, list[Layout]] = {}
+        facts, tensor = self.F.facts, self.F.tensor
+        for i in mask:
+            held.setdefault(tensor[i], []).append(facts[i][1])
+        conversions, chains = 0.0, 0.0
+        for t, layouts in held.items():
+            d, e = self.tensor_bound(t, frozenset(layouts), k)
+            conversions += d
+            chains = max(chains, e)
         return self.C[k] + max(conversions, chains)
+
+    def tensor_bound(self, tensor: str, held: frozenset[Layout], k: int) -> tuple[float, float]:
+        """(D, E) of one live tensor; both depend on k only through its first consumer >= k."""
+        key = (tensor, held, bisect.bisect_left(self.pending.consumers.get(tensor, ()), k))
+        bound = self.t_memo.get(key)
+        if bound is None:
+            bound = self.t_memo[key] = (self.pending.bound(tensor, held, k), self.chains.bound(tensor, held, k))
+        return bound
 
     def f_bound(self, k: int, mask: frozenset[int], g: float) -> float:
         key = (k, mask)
@@ -280,12 +320,13 @@ class _Search:
         for j, node in enumerate(self.pb.order):
             for t in dict.fromkeys(node.inputs):
                 reads.setdefault(t, []).append(j)
-        reads = {t: js for t, js in reads.items() if len(js) <= MAX_STRATUM_READS}
-        out = []
-        for k in range(self.n + 1):
-            out.append(frozenset(t for t, js in reads.items()
-                                 if js[0] < k <= js[-1] and _next_read(js, k) > k + HORIZON))
-        return out
+        out: list[set[str]] = [set() for _ in range(self.n + 1)]
+        for t, js in reads.items():
+            if len(js) <= MAX_STRATUM_READS:
+                for a, b in zip(js, js[1:]):  # between reads a < b the next read is b
+                    for k in range(a + 1, b - HORIZON):
+                        out[k].add(t)
+        return [frozenset(ts) for ts in out]
 
     def stratum(self, k: int, mask: frozenset[int]) -> frozenset[int]:
         return self.F.restrict(mask, self.long_lived[k])
@@ -326,10 +367,6 @@ class _Search:
         if self.incumbent < float("inf"):
             return None, g, parent
         raise SearchError("no distributed program found: some op has no applicable rule")
-
-
-def _next_read(reads: list[int], k: int) -> int:
-    return reads[bisect.bisect_left(reads, k)]
 
 
 def synthesize(pb: Problem, *, width: int = DEFAULT_WIDTH, progress: bool = True,
