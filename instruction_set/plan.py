@@ -3,7 +3,7 @@
 A plan holds the reference graph, the per-device sharding ratios, the per-tensor shard
 lengths (derived once, instruction_set.shards), the distributed program, the predicted
 step time and per-device compute / communication / memory, the same predictions for the
-baselines, and statistics of the synthesis. It contains no torch objects; the runtime
+baselines, the gradient buckets (instruction_set.sync), and statistics of the synthesis. It contains no torch objects; the runtime
 resolves it against real process groups.
 """
 
@@ -19,6 +19,7 @@ from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
+from instruction_set.sync import GradientSync, check_buckets
 
 PLAN_VERSION = 1
 
@@ -89,9 +90,14 @@ class Plan(_Frozen):
     predicted: Prediction
     baselines: dict[str, BaselineResult] = Field(default_factory=dict)
     synthesis: SynthesisStats
+    gradient_sync: GradientSync | None = Field(
+        default=None, description="gradient buckets (instruction_set.sync); None in plans written before "
+                                  "they were recorded: the runtime then assigns them at the default cap")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
+        if self.gradient_sync is not None:
+            check_buckets(self.gradient_sync, self.instructions)
         check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,
                              node_sizes=tuple(len(n.devices) for n in self.cluster.nodes), graph=self.graph,
                              shards=self.shards, instructions=self.instructions,
