@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from instruction_set.mesh import Mesh, MeshAxis
 from instruction_set.sync import GradBucket
 from runtime.groups import Groups, group_timeout
 
@@ -128,15 +129,41 @@ def _flat_views(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return buffers
 
 
+# (world group, mesh, lane) -> this rank's process group of the lane. gloo groups hold threads
+# and sockets until the process ends (torch frees them only with the default group), so a
+# process makes each lane's groups once and every trainer in it (runtime.compare's entries, a
+# test pool's tests) reuses them: safe, because a trainer finishes its buckets' work before
+# its step returns, so two trainers' collectives never interleave on a lane.
+_LANES: dict[tuple[int, Mesh, tuple[str, str, int]], Any] = {}
+
+
+def _axis_group(mesh: Mesh, rank: int, axis: str, timeout: Any) -> Any:
+    """New groups along `axis` (every group of the axis, in one order on every rank); mine."""
+    if axis == MeshAxis.ALL:
+        sets = [mesh.ranks]
+    elif axis == MeshAxis.INNER:
+        sets = [mesh.node_ranks(n) for n in range(mesh.num_nodes)]
+    else:
+        sets = [mesh.cross_ranks(local) for local in range(mesh.per_node)]
+    mine = None
+    for members in sets:
+        group = dist.new_group(list(members), timeout=timeout)
+        mine = group if rank in members else mine
+    return mine
+
+
 def lane_groups(buckets: list[GradBucket], groups: Groups) -> dict[tuple[str, str, int], Any]:
     """One process group per (variant, axis, stage) lane the buckets use, for that lane alone
     (collective: every rank calls it with the same buckets)."""
     lanes = list(dict.fromkeys((b.variant, b.axis, s) for b in buckets for s in range(len(_stages(b.variant)))))
-    timeout, out = group_timeout(groups.group("all")), {}
-    for variant, axis, s in lanes:
-        own = Groups.create(groups.mesh, groups.rank, timeout=timeout,
-                            world=dist.new_group(list(range(groups.mesh.size)), timeout=timeout))
-        out[(variant, axis, s)] = own.group(_stages(variant)[s][0] or axis)
+    world = groups.group("all")
+    out = {}
+    for lane in lanes:
+        key = (id(world), groups.mesh, lane)
+        if key not in _LANES:
+            axis = _stages(lane[0])[lane[2]][0] or lane[1]
+            _LANES[key] = _axis_group(groups.mesh, groups.rank, axis, group_timeout(world))
+        out[lane] = _LANES[key]
     return out
 
 
