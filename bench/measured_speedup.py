@@ -1,4 +1,5 @@
-"""Measured speed-ups on the emulated heterogeneous cluster: hetsynth's plan vs DP-EV and DP-CP.
+"""Measured speed-ups on the emulated heterogeneous cluster: hetsynth's plan vs torch DDP
+(DDP-EV, DDP-CP) and our own data-parallel plans (DP-EV, DP-CP).
 
     python bench/measured_speedup.py [--models gpt bert vgg] [--reprofile]
 
@@ -8,11 +9,14 @@ profiled first (`hetsynth profile`, cached in bench/results/local-emulated-measu
 --reprofile measures again) and every plan is made for the measured spec, with the model's
 ops timed on this machine (profiling.op_profile, `hetsynth plan --measure-ops`). For each model's
 `small-cpu` preset, hetsynth's plan, DP-EV (even batch split) and DP-CP (split proportional
-to measured throughput) train on the same workers, interleaved (runtime.compare: warm-up,
-then rounds of a few steps of each plan in turn); the table gives the median step time of
-each, hetsynth's speed-ups, and its predicted step time next to the measured one. Writes
-bench/results/measured_speedup.json as {"models": {name: {hetsynth_s, dp_ev_s, dp_cp_s,
-predicted_s, ...}}}. Needs root for the emulation; without it the processes run unshaped
+to measured throughput), and torch's own DistributedDataParallel on the plain model with the
+same rows as DP-EV (DDP-EV: as users run it) and as DP-CP with the loss weights that make
+uneven rows train the global batch (DDP-CP, runtime.ddp), train on the same workers,
+interleaved (runtime.compare: warm-up, then rounds of a few steps of each in turn); the table
+gives the median step time of each, hetsynth's speed-ups against torch DDP and against the
+best of the four baselines, and its predicted step time next to the measured one. Writes
+bench/results/measured_speedup.json as {"models": {name: {hetsynth_s, ddp_ev_s, ddp_cp_s,
+dp_ev_s, dp_cp_s, best_baseline, predicted_s, ...}}}. Needs root for the emulation; without it the processes run unshaped
 and the numbers say nothing about heterogeneity.
 """
 
@@ -69,11 +73,34 @@ def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: i
 
     report = workdir / "compare.json"
     names = list(made)
+    ddp = [f"ddp_ev=mean:{made['dp_ev'][0]}", f"ddp_cp=weighted:{made['dp_cp'][0]}"]
     launch_checked(load_cluster(cluster_path),
                    ["-m", "runtime.compare", "--plans", *[made[n][0] for n in names], "--names", *names,
-                    "--warmup", "2", "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)],
-                   "measurement")
+                    "--ddp", *ddp, "--warmup", "2", "--rounds", str(rounds), "--steps", str(steps),
+                    "--report", str(report)], "measurement")
     return json.loads(report.read_text())
+
+
+BASELINES = {"ddp_ev": "DDP-EV", "ddp_cp": "DDP-CP", "dp_ev": "DP-EV", "dp_cp": "DP-CP"}
+
+
+def result(times: dict, made: dict) -> dict:
+    r = {f"{n}_s": times[n]["median_s"] for n in ("hetsynth", *BASELINES)}
+    best = min(BASELINES, key=lambda n: r[f"{n}_s"])
+    r |= {"best_baseline": BASELINES[best], "predicted_s": made["hetsynth"][1],
+          "predicted_dp_ev_s": made["dp_ev"][1], "predicted_dp_cp_s": made["dp_cp"][1],
+          "wire_bytes_per_step": {n: t["wire_bytes_per_step"] for n, t in times.items()},
+          "step_seconds": {n: t["step_seconds"] for n, t in times.items()},
+          "phases_by_rank": {n: t["phases_by_rank"] for n, t in times.items()}}
+    return r
+
+
+def row(model: str, r: dict) -> list[str]:
+    h = r["hetsynth_s"]
+    best = min(r[f"{n}_s"] for n in BASELINES)
+    return [model, f"{h:.3f}", *(f"{r[f'{n}_s']:.3f}" for n in BASELINES), f"{r['ddp_ev_s'] / h:.2f}x",
+            f"{r['ddp_cp_s'] / h:.2f}x", f"{best / h:.2f}x ({r['best_baseline']})", f"{r['predicted_s']:.3f}",
+            f"{r['predicted_s'] / h - 1:+.0%}"]
 
 
 def main() -> None:
@@ -90,20 +117,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             made = plans(ref, measured_spec, Path(tmp))
             times = measure(measured_spec, made, Path(tmp), args.rounds, args.steps)
-        r = {"hetsynth_s": times["hetsynth"]["median_s"], "dp_ev_s": times["dp_ev"]["median_s"],
-             "dp_cp_s": times["dp_cp"]["median_s"], "predicted_s": made["hetsynth"][1],
-             "predicted_dp_ev_s": made["dp_ev"][1], "predicted_dp_cp_s": made["dp_cp"][1],
-             "wire_bytes_per_step": {n: t["wire_bytes_per_step"] for n, t in times.items()},
-             "step_seconds": {n: t["step_seconds"] for n, t in times.items()},
-             "phases_by_rank": {n: t["phases_by_rank"] for n, t in times.items()}}
+        r = result(times, made)
         results[model] = r
-        err = r["predicted_s"] / r["hetsynth_s"] - 1
-        rows.append([model, f"{r['hetsynth_s']:.3f}", f"{r['dp_ev_s']:.3f}", f"{r['dp_cp_s']:.3f}",
-                     f"{r['dp_ev_s'] / r['hetsynth_s']:.2f}x", f"{r['dp_cp_s'] / r['hetsynth_s']:.2f}x",
-                     f"{r['predicted_s']:.3f}", f"{err:+.0%}"])
+        rows.append(row(model, r))
         print(rows[-1], flush=True)
-    header = ["model (small-cpu)", "hetsynth s", "DP-EV s", "DP-CP s", "vs DP-EV", "vs DP-CP",
-              "predicted s", "prediction error"]
+    header = ["model (small-cpu)", "hetsynth s", "DDP-EV s", "DDP-CP s", "DP-EV s", "DP-CP s", "vs DDP-EV",
+              "vs DDP-CP", "vs best baseline", "predicted s", "prediction error"]
     print_tables(rows, header)
     write_json("measured_speedup.json", {"models": results, "cluster": str(CLUSTER.relative_to(ROOT)),
                                          "measured_spec": str(MEASURED.relative_to(ROOT))})

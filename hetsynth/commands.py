@@ -64,6 +64,8 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="time the model's ops on this machine (for clusters of its CPUs, e.g. emulated)")
     p.add_argument("--data-parallel", action="store_true",
                    help="search data-parallel programs only (ratios, collective variants and SFB still chosen)")
+    p.add_argument("--bucket-mb", type=float,
+                   help="gradient bucket cap in MiB (default: the one the cost model predicts fastest)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
 
 
@@ -84,7 +86,8 @@ def plan_run(args: argparse.Namespace) -> int:
     plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
-                         measure_ops=args.measure_ops, data_parallel=args.data_parallel)
+                         measure_ops=args.measure_ops, data_parallel=args.data_parallel,
+                         bucket_mb=args.bucket_mb)
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),

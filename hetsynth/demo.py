@@ -1,5 +1,6 @@
-"""`make demo`: plan GPT small-cpu for the local emulated cluster, run the plan and DP-EV side
-by side on it, print the measured speed-up and the parity check against one device.
+"""`make demo`: plan GPT small-cpu for the local emulated cluster, run the plan, DP-EV and
+torch's own DDP (DDP-EV: even rows; DDP-CP: throughput-proportional rows with loss weights)
+side by side on it, print the measured speed-ups and the parity check against one device.
 
 Steps:
   1. the cluster: configs/clusters/local-emulated.toml, with its measured figures from
@@ -9,8 +10,9 @@ Steps:
   2. capture the model (its graph summary: op counts, parameters, FLOPs), time its ops here
      (profiling.op_profile) and the whole model on each emulated device kind
      (profiling.model_timing), synthesize the plan and the DP-EV baseline (even batch split);
-  3. train both on the same workers, interleaved (runtime.compare), and print the median step
-     times, the speed-up and the prediction;
+  3. train the plan, DP-EV and torch DDP-EV and DDP-CP (runtime.ddp) on the same workers,
+     interleaved (runtime.compare), and print the median step times, the speed-ups and the
+     prediction;
   4. train the single-device model as many steps and compare every step's global loss;
   5. write the plan, its predicted and measured traces (hetsynth's plan is also run traced in
      every round, runtime.compare --traced; the step times with and without tracing are
@@ -63,19 +65,25 @@ def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
     print(graph_summary_text(summarize(graph)) + "\n")
     return {"hetsynth": make_plan(graph, cluster, progress=True),
             "DP-EV": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,
+                               progress=False, with_baselines=False),
+            "DP-CP": make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
                                progress=False, with_baselines=False)}
+
+
+TRAINED = ("hetsynth", "DP-EV")  # DP-CP's plan only gives DDP-CP its rows
 
 
 def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace,
             raw: Path) -> dict:
     from runtime.launch import launch_checked
 
-    paths = []
+    paths = {}
     for name, plan in plans.items():
-        paths.append(str(workdir / f"{name}.json"))
-        save_plan(plan, paths[-1])
+        paths[name] = str(workdir / f"{name}.json")
+        save_plan(plan, paths[name])
     report = workdir / "compare.json"
-    launch_checked(cluster, ["-m", "runtime.compare", "--plans", *paths, "--names", *plans,
+    launch_checked(cluster, ["-m", "runtime.compare", "--plans", *(paths[n] for n in TRAINED), "--names", *TRAINED,
+                             "--ddp", f"DDP-EV=mean:{paths['DP-EV']}", f"DDP-CP=weighted:{paths['DP-CP']}",
                              "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                              "--steps", "2", "--report", str(report), "--traced", "hetsynth",
                              "--trace-raw", str(raw)], "the demo run")
@@ -116,17 +124,19 @@ def run_demo(args: argparse.Namespace) -> int:
     _section(f"plan {args.model}")
     plans = make_plans(args.model, cluster)
     print(plan_summary_text(plans["hetsynth"]))
-    _section("run: hetsynth's plan and DP-EV, interleaved on the same workers")
+    _section("run: hetsynth's plan, DP-EV, torch DDP-EV and DDP-CP, interleaved on the same workers")
     from runtime.launch import recorded_run
 
     with recorded_run() as (_, tmp):  # removed by the next command even if the demo is killed
         raw = tmp / "trace"
         raw.mkdir(mode=0o777)
         measured = compare(cluster, plans, tmp, args, raw)
-        het, ev = measured["hetsynth"]["median_s"], measured["DP-EV"]["median_s"]
+        het = measured["hetsynth"]["median_s"]
         print(f"median step: hetsynth {het:.3f} s (predicted {plans['hetsynth'].predicted.step_time_s:.3f} s), "
-              f"DP-EV {ev:.3f} s (predicted {plans['DP-EV'].predicted.step_time_s:.3f} s)")
-        print(f"measured speed-up over DP-EV: {ev / het:.2f}x")
+              f"DP-EV {measured['DP-EV']['median_s']:.3f} s (predicted {plans['DP-EV'].predicted.step_time_s:.3f} s), "
+              f"torch DDP-EV {measured['DDP-EV']['median_s']:.3f} s, DDP-CP {measured['DDP-CP']['median_s']:.3f} s")
+        for name in ("DDP-EV", "DDP-CP", "DP-EV"):
+            print(f"measured speed-up over {name}: {measured[name]['median_s'] / het:.2f}x")
         traced = measured["traced"]["median_s"]
         print(f"hetsynth traced (every instruction timed): median step {traced:.3f} s, {traced / het:.3f}x untraced")
         _section("parity with single-device training")

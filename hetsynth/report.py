@@ -119,7 +119,17 @@ def plan_summary_text(plan: Plan) -> str:
         f"{s.states_expanded:,} states expanded, {s.rounds} round(s), "
         f"{'exact' if s.exact else 'width-bounded'}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _sync_lines(plan))
+
+
+def _sync_lines(plan: Plan) -> list[str]:
+    """The gradient buckets: how many, their cap, and the caps the cost model compared."""
+    g = plan.gradient_sync
+    if g is None or not g.buckets:
+        return []
+    tried = ", ".join(f"{cap} MiB {s * 1e3:.1f} ms" for cap, s in g.chosen_from.items())
+    return [f"grad sync    {len(g.buckets)} bucket(s) of at most {g.bucket_cap_bytes / 2**20:g} MiB, launched "
+            f"during the backward pass" + (f" (predicted: {tried})" if tried else "")]
 
 
 def _ratio_rows(plan: Plan) -> list[list[Any]]:

@@ -3,7 +3,8 @@
 A plan holds the reference graph, the device mesh its layouts live on, the per-device
 sharding ratios, the per-tensor shard lengths (derived once, instruction_set.shards), the
 distributed program, the predicted step time and per-device compute / communication /
-memory, the same predictions for the baselines, and statistics of the synthesis. It contains
+memory, the same predictions for the baselines, the gradient buckets
+(instruction_set.sync), and statistics of the synthesis. It contains
 no torch objects; the runtime resolves it against real process groups.
 
 The format is versioned (`PLAN_VERSION`; `PLAN_CHANGES` says what each version changed). A
@@ -28,6 +29,7 @@ from instruction_set.mesh import Mesh
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
 from instruction_set.shards import MeshLayout
+from instruction_set.sync import GradientSync, check_buckets
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ PLAN_CHANGES: dict[int, str] = {
     1: "the first format",
     2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
        "an instruction without a source layout has src null instead of \"\"; layouts are checked against "
-       "their grammar (R, P, Pmax, S<d>, A|B) when a plan is read",
+       "their grammar (R, P, Pmax, S<d>, A|B) when a plan is read; a plan may record its gradient buckets "
+       "(gradient_sync: the bucket cap and the buckets; plans without them get buckets at the default cap)",
 }
 
 
@@ -106,9 +109,14 @@ class Plan(_Frozen):
     predicted: Prediction
     baselines: dict[str, BaselineResult] = Field(default_factory=dict)
     synthesis: SynthesisStats
+    gradient_sync: GradientSync | None = Field(
+        default=None, description="gradient buckets (instruction_set.sync); None in plans written before "
+                                  "they were recorded: the runtime then assigns them at the default cap")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
+        if self.gradient_sync is not None:
+            check_buckets(self.gradient_sync, self.instructions)
         check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,
                              node_sizes=tuple(len(n.devices) for n in self.cluster.nodes), graph=self.graph,
                              shards=self.shards, instructions=self.instructions,

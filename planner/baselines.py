@@ -25,8 +25,8 @@ from instruction_set.layouts import R, Layout, Replicate, S, Shard
 from instruction_set.mesh import Mesh
 from instruction_set.plan import BaselineResult
 from instruction_set.program import Instruction
-from planner.evaluate import predict, program_terms
 from planner.problem import Problem, Restrictions, StorageClass
+from planner.step_cost import predict_program
 from planner.synthesis import synthesize
 
 DP = Restrictions(param_layouts=frozenset({StorageClass.REPLICATED}), input_layout=S(0), two_level=False, allow_sfb=False,
@@ -65,7 +65,7 @@ def baseline(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float
         return BaselineResult(step_time_s=float("inf"), sharding_ratios=tuple(ratios), fits=False,
                               max_memory_gib=0.0, note="no program in this space")
     pb = Problem(graph, cluster, ratios, restrictions)
-    prediction = predict(pb, program_terms(pb, program))
+    prediction, _ = predict_program(pb, program)  # gradient sync overlapped, as the runtime runs it
     return BaselineResult(step_time_s=prediction.step_time_s, sharding_ratios=tuple(ratios),
                           fits=prediction.fits,
                           max_memory_gib=max(d.memory_gib for d in prediction.devices))

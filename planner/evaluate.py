@@ -6,8 +6,9 @@ shard lengths at the problem's ratios) with how those shares depend on the ratio
 (its ShareKind) and its category (compute or communication), and its memory. Today every
 instruction is one form (`Term.leaf`). The same terms give
 
-- the prediction of a plan: step time = sum over instructions of their seconds (for a leaf,
-  the max over devices), plus the step's scalar all-reduces (step_term); per-device compute
+- the prediction of a plan: step time = sum over the step's terms of their seconds (for a
+  leaf, the max over devices; planner.step_cost composes the instructions' terms with the
+  gradient sync overlapped with the backward pass); per-device compute
   (`busy`), exposed communication and memory (per class of interchangeable devices,
   planner.problem, expanded to every device);
 - the sharding-ratio LP (planner.ratios), which replaces the shares by functions of the
@@ -122,12 +123,6 @@ def step_term(pb: Problem) -> Term:
 def first_input_layouts(program: Sequence[Instruction]) -> dict[str, Layout]:
     """Op -> the layout its first input is read in (SFB's costs depend on it)."""
     return {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
-
-
-def program_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
-    x_layouts = first_input_layouts(program)
-    terms = [instruction_term(pb, ins, x_layouts) for ins in program]
-    return [t for t in terms if t is not None] + [step_term(pb)]
 
 
 def step_time(terms: Sequence[Term]) -> float:

@@ -37,10 +37,11 @@ from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.plan_checks import ShardTable
 from instruction_set.program import COLLECTIVES, Instruction
 from planner import baselines
-from planner.evaluate import first_input_layouts, instruction_term, predict, program_terms
+from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_training_state_fits
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class _Stats:
 def _evaluate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float],
               program: Sequence[Instruction], restrictions: Restrictions | None = None) -> Candidate:
     pb = Problem(graph, cluster, ratios, restrictions)
-    return Candidate(tuple(ratios), tuple(program), predict(pb, program_terms(pb, program)))
+    return Candidate(tuple(ratios), tuple(program), predict_program(pb, program)[0])
 
 
 def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
@@ -95,7 +96,7 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
         stats.rounds += 1
         result = _best_program(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
         pb = Problem(graph, cluster, ratios, restrictions)
-        terms = program_terms(pb, result.instructions)
+        _, terms = choose_buckets(pb, result.instructions)  # as _evaluate predicts, and what the LP sees
         current = Candidate(tuple(ratios), tuple(result.instructions), predict(pb, terms))
         best = current if current.better_than(best) else best
         if fixed:
@@ -255,9 +256,11 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
               width: int = DEFAULT_WIDTH, progress: bool = True,
-              restrictions: Restrictions | None = None, with_baselines: bool = True) -> Plan:
+              restrictions: Restrictions | None = None, with_baselines: bool = True,
+              bucket_cap: int | None = None) -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
-    narrows the program space (forced layouts or variants, used by tests)."""
+    narrows the program space (forced layouts or variants, used by tests); `bucket_cap`
+    forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest)."""
     start = time.perf_counter()
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
                               restrictions=restrictions)
@@ -266,11 +269,12 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
         log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,
                  best.prediction.step_time_s * 1e3)
     pb = Problem(graph, cluster, best.ratios, restrictions)
+    prediction, sync = predict_program(pb, best.program, bucket_cap)
     return Plan(
         model=model_info(graph), cluster=cluster, mesh=pb.mesh,
         graph=graph, sharding_ratios=best.ratios,
         shards=shard_table(pb, best.program), instructions=finalize(pb, best.program),
-        predicted=best.prediction,
+        predicted=prediction, gradient_sync=sync,
         baselines=baselines.all_baselines(graph, cluster, width=width) if with_baselines else {},
         synthesis=SynthesisStats(seconds=seconds, search_seconds=stats.search_s,
                                  lp_seconds=stats.lp_s, states_expanded=stats.expanded,
@@ -291,5 +295,6 @@ def without_sfb(plan: Plan) -> Plan:
             ins = Instruction(kind="all_reduce", tensor=ins.tensor, layout=R, src=P, phase="backward",
                               variant=pb.comm.gradient_variant(nbytes))
         program.append(ins)
-    prediction = predict(pb, program_terms(pb, program))
-    return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction})
+    prediction, sync = predict_program(pb, program)
+    return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
+                                   "gradient_sync": sync})

@@ -6,7 +6,8 @@ Variables
                       share one variable, and i below ranges over classes with n_i devices
     t_j >= 0          epigraph of instruction group j (instructions with equal cost forms)
     u_o >= 0          epigraph of overlap o (an Overlap of cost_models.terms)
-    v_f >= 0          epigraph of a form f nested in a Series inside an Overlap
+    v_f >= 0          epigraph of a distinct form f nested in an Overlap (one per distinct
+                      form, shared by every place it appears)
 
 An instruction's time is composed of forms `max_{i in D_f} (a_fi + b_fi s_i)`
 (cost_models.terms), in shares s that are r_i itself (FLAT, a split over all devices), or the
@@ -20,12 +21,12 @@ dependence are constants K. The LP is
     subject to  sum_i n_i r_i = 1                                          (simplex)
                 t_j >= a_ji + b_ji s_i(r)       for all compute groups j, i in D_j
                 t_j >= a_ji + b_ji s_i(r)       for all communication groups j, i in D_j
-                u_o >= a_fi + b_fi s_i(r)       for every form f among o's parts, i in D_f
-                u_o >= E(p)                     for every other part p of o
+                u_o >= E(p)                     for every part p of o
+                v_f >= a_fi + b_fi s_i(r)       for every distinct nested form f, i in D_f
                 sum_p f_pi + g_pi s_pi(r) <= capacity_i   for all devices i (memory)
 
-where E(Series) = sum of E(parts), E(Overlap) = its u, E(form) = its v_f (with
-v_f >= a_fi + b_fi s_i(r) for i in D_f), and a constant form its seconds. Every max becomes one
+where E(Series) = sum of E(parts), E(Overlap) = its u, E(form) = its v_f, and a constant form
+its seconds (planner.step_cost writes the overlapped gradient sync this way). Every max becomes one
 epigraph variable with one constraint per form and device: exact, since the objective is a
 positive sum of maxima and sums of affine functions and presses each variable onto its
 tightest constraint.
@@ -139,10 +140,16 @@ def add_epigraphs(prob: pulp.LpProblem, s: dict[str, list], forms: Counter,
 
 
 class _Lowering:
-    """Epigraphs of Overlaps and of the forms nested in them (see the module docstring)."""
+    """Epigraphs of Overlaps and of the forms nested in them (see the module docstring). A form
+    met again (the same op in every layer; a backward segment that several branches of an
+    overlapped gradient sync share) reuses its variable: v_f bounds the same max of affine
+    functions wherever it appears, always with a positive coefficient, so sharing it is exact
+    and keeps the LP as small as the number of distinct forms."""
 
     def __init__(self, prob: pulp.LpProblem, s: dict[str, list]) -> None:
         self.prob, self.s, self.count = prob, s, 0
+        self.forms: dict[tuple, pulp.LpVariable] = {}
+        self.overlaps: dict[int, pulp.LpVariable] = {}
 
     def _variable(self, prefix: str) -> tuple[pulp.LpVariable, str]:
         name = f"{prefix}_{self.count}"
@@ -153,15 +160,22 @@ class _Lowering:
         """E(c): an affine expression bounding c from above, tight at the optimum."""
         if isinstance(c, Series):
             return pulp.lpSum(self.expr(p) for p in c.parts)
-        if isinstance(c, Form) and c.is_constant:
-            return seconds(c)
-        v, name = self._variable("overlap" if isinstance(c, Overlap) else "form")
-        for k, p in enumerate(c.parts if isinstance(c, Overlap) else (c,)):
-            if isinstance(p, Form) and not p.is_constant:
-                _bound(self.prob, v, self.s, p.shares.kind, p.cost.a, p.cost.b, p.devices, f"{name}_{k}")
-            else:
+        if isinstance(c, Form):
+            return seconds(c) if c.is_constant else self._form(c)
+        if id(c) not in self.overlaps:
+            v, name = self._variable("overlap")
+            for k, p in enumerate(c.parts):
                 self.prob += v >= self.expr(p), f"{name}_{k}"
-        return v
+            self.overlaps[id(c)] = v
+        return self.overlaps[id(c)]
+
+    def _form(self, f: Form) -> pulp.LpVariable:
+        key = (f.shares.kind, f.cost.a, f.cost.b, f.devices)
+        if key not in self.forms:
+            v, name = self._variable("form")
+            _bound(self.prob, v, self.s, f.shares.kind, f.cost.a, f.cost.b, f.devices, name)
+            self.forms[key] = v
+        return self.forms[key]
 
 
 def add_overlaps(prob: pulp.LpProblem, s: dict[str, list], overlaps: Counter) -> pulp.LpAffineExpression:

@@ -194,7 +194,7 @@ def _built_with_its_linear(emitter: _Emitter, ins: Instruction) -> None:
 
 def _recorded_on_its_param(emitter: _Emitter, ins: Instruction) -> None:
     """all_reduce (backward): nothing to emit; `storage` records it as the parameter's
-    LocalParam.sync, which runtime.train.sync_gradients runs after the backward pass."""
+    LocalParam.sync, which runtime.grad_sync runs in the plan's buckets during the backward pass."""
 
 
 EMITTERS: Implementations[Callable[[_Emitter, Instruction], None]] = Implementations("codegen")

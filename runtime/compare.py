@@ -15,6 +15,11 @@ seconds per phase: data, forward, backward, gradient_sync, update, loss], "wire_
 with every instruction timed (runtime.timing), on the same trainer: the report's "traced"
 entry holds their step times next to the untraced ones of the same rounds (the cost of
 tracing, interleaved), and every rank writes its raw record to `--trace-raw DIR`.
+
+Besides plans, `--ddp NAME=MODE:PLAN` adds torch's DistributedDataParallel on the plain model
+(runtime.ddp) with the per-rank rows that PLAN gives its batch input: MODE `mean` is DDP as users
+run it (every rank backpropagates its own mean loss), `weighted` adds the loss weights that make
+uneven rows train the global batch. Its entries are interleaved with the plans' like any other.
 """
 
 from __future__ import annotations
@@ -29,13 +34,44 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from instruction_set.plan import load_plan
+from instruction_set.models import parse_model_ref
+from instruction_set.plan import Plan, load_plan
 from runtime.config import TrainConfig
 from runtime.emulation import IFACE
 from runtime.groups import Groups
 from runtime.rank import run_rank
+from runtime.ddp import DDPTrainer, ddp_setup
 from runtime.timing import StepTracer
-from runtime.train import Trainer, local_batch, setup, train_step
+from runtime.train import StepLog, Trainer, local_batch, rank_rows, setup, train_step
+
+DDP_MODES = ("mean", "weighted")
+
+
+class PlanEntry:
+    """A plan's trainer, seen as a comparison entry (make_batch, step)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def make_batch(self, step: int) -> list[torch.Tensor]:
+        return local_batch(self.trainer, step)
+
+    def step(self, step: int, inputs: list[torch.Tensor]) -> StepLog:
+        return train_step(self.trainer, step, inputs)
+
+
+class TracedEntry(PlanEntry):
+    """A plan's trainer whose steps time every instruction (runtime.timing)."""
+
+    def __init__(self, tracer: StepTracer) -> None:
+        super().__init__(tracer.trainer)
+        self.tracer = tracer
+
+    def step(self, step: int, inputs: list[torch.Tensor]) -> StepLog:
+        return self.tracer.step(step, inputs)
+
+
+Entry = PlanEntry | DDPTrainer
 
 
 def nic_tx_bytes() -> int | None:
@@ -46,27 +82,25 @@ def nic_tx_bytes() -> int | None:
     return int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
 
 
-def _wire(groups: Groups, before: int | None) -> int:
+def _wire(reads_nic: bool, before: int | None) -> int:
     """Sum over nodes of the bytes their NIC sent since `before` (collective)."""
     mine = 0
-    if groups.mesh.local(groups.rank) == 0 and before is not None:
+    if reads_nic and before is not None:
         mine = (nic_tx_bytes() or 0) - before
     total = torch.tensor([mine], dtype=torch.float64)
     dist.all_reduce(total)
     return int(total.item())
 
 
-def _steps(trainer: Trainer, first: int, count: int, phases: list | None = None,
-           tracer: StepTracer | None = None) -> list[tuple[float, float]]:
-    """(seconds, global loss) of `count` steps from step `first` (traced by `tracer` if
-    given); each step's phase seconds on this rank are appended to `phases`."""
-    batches = [local_batch(trainer, first + i) for i in range(count)]  # prefetched, not timed
+def _steps(entry: Entry, first: int, count: int, phases: list | None = None) -> list[tuple[float, float]]:
+    """(seconds, global loss) of `count` steps from step `first`; each step's phase seconds
+    on this rank are appended to `phases`."""
+    batches = [entry.make_batch(first + i) for i in range(count)]  # prefetched, not timed
     # start the timed steps together: a slow device makes its batches long after a fast one,
     # whose first step would otherwise time that wait (on the emulated cluster 1.5-2.3 s
     # against a 0.1 s step for 8192 tokens of a GPT MLP)
     dist.barrier()
-    step = tracer.step if tracer is not None else lambda s, inputs: train_step(trainer, s, inputs)
-    logs = [step(first + i, inputs) for i, inputs in enumerate(batches)]
+    logs = [entry.step(first + i, inputs) for i, inputs in enumerate(batches)]
     if phases is not None:
         phases += [log.phases for log in logs]
     return [(log.seconds, log.loss) for log in logs]
@@ -86,37 +120,75 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", required=True)
     p.add_argument("--traced", help="the plan whose steps are also run traced, interleaved (module docstring)")
     p.add_argument("--trace-raw", help="directory for every rank's raw record of the traced steps")
+    p.add_argument("--ddp", nargs="*", default=[], metavar="NAME=MODE:PLAN",
+                   help="torch DDP entries: MODE mean|weighted, rows per rank from PLAN's batch input")
     args = p.parse_args(argv)
+    if len(args.plans) != len(args.names):
+        p.error(f"{len(args.plans)} --plans but {len(args.names)} --names: give one name per plan")
+    if args.traced is not None and args.traced not in args.names:
+        p.error(f"--traced {args.traced!r}: not one of the plans {args.names}")
+    try:
+        args.ddp = [parse_ddp(text) for text in args.ddp]
+    except ValueError as err:
+        p.error(str(err))
     return run_rank(lambda rank, device: compare(rank, args), timeout_s=300, device=torch.device("cpu"))
 
 
-def compare(rank: int, args: argparse.Namespace) -> None:
-    """Train every plan on this rank, interleaved; rank 0 writes the report."""
-    trainers = {}
+def parse_ddp(text: str) -> tuple[str, str, str]:
+    """`NAME=MODE:PLAN` -> (name, mode, plan path)."""
+    name, _, rest = text.partition("=")
+    mode, _, path = rest.partition(":")
+    if not name or mode not in DDP_MODES or not path:
+        raise ValueError(f"--ddp {text!r}: expected NAME=MODE:PLAN with MODE one of {', '.join(DDP_MODES)}")
+    return name, mode, path
+
+
+def plan_rows(plan: Plan) -> list[int]:
+    """Rows of the global batch each rank holds under `plan` (its first batch input)."""
+    name, layout = next((i.tensor, i.layout) for i in plan.instructions if i.kind == "input")
+    batch = plan.model.batch_size
+    return [len(rank_rows(plan, name, layout, r, batch)) for r in range(plan.cluster.num_devices)]
+
+
+def _entries(rank: int, args: argparse.Namespace) -> tuple[dict[str, Entry], bool]:
+    """The entries in order (plans, then DDP) and whether this rank reads its node's NIC."""
+    entries: dict[str, Entry] = {}
+    reads_nic = False
     for name, path in zip(args.names, args.plans):
         plan = load_plan(path)
-        trainers[name] = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD),
-                               TrainConfig(steps=0))
-    times: dict[str, list[float]] = {n: [] for n in trainers}
-    losses: dict[str, list[float]] = {n: [] for n in trainers}
-    phases: dict[str, list[dict]] = {n: [] for n in trainers}
-    wire: dict[str, int] = {n: 0 for n in trainers}
-    step = {n: 0 for n in trainers}
-    tracer = StepTracer(trainers[args.traced]) if args.traced else None
+        groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
+        entries[name] = PlanEntry(setup(plan, groups, TrainConfig(steps=0)))
+        reads_nic = groups.mesh.local(rank) == 0
+    for name, mode, path in args.ddp:
+        plan = load_plan(path)
+        entries[name] = ddp_setup(parse_model_ref(plan.model.ref), plan_rows(plan), TrainConfig(steps=0),
+                                  group=dist.group.WORLD, rank=rank, weighted=mode == "weighted")
+    return entries, reads_nic
+
+
+def compare(rank: int, args: argparse.Namespace) -> None:
+    """Train every entry on this rank, interleaved; rank 0 writes the report."""
+    entries, reads_nic = _entries(rank, args)
+    times: dict[str, list[float]] = {n: [] for n in entries}
+    losses: dict[str, list[float]] = {n: [] for n in entries}
+    phases: dict[str, list[dict]] = {n: [] for n in entries}
+    wire: dict[str, int] = {n: 0 for n in entries}
+    step = {n: 0 for n in entries}
+    tracer = StepTracer(entries[args.traced].trainer) if args.traced else None
     traced: list[float] = []
-    for name, trainer in trainers.items():
-        losses[name] += [loss for _, loss in _steps(trainer, 0, args.warmup)]
+    for name, entry in entries.items():
+        losses[name] += [loss for _, loss in _steps(entry, 0, args.warmup)]
         step[name] = args.warmup
     for _ in range(args.rounds):
-        for name, trainer in trainers.items():
-            before = nic_tx_bytes() if trainer.groups.mesh.local(rank) == 0 else None
-            logs = _steps(trainer, step[name], args.steps, phases[name])
+        for name, entry in entries.items():
+            before = nic_tx_bytes() if reads_nic else None
+            logs = _steps(entry, step[name], args.steps, phases[name])
             times[name] += [seconds for seconds, _ in logs]
             losses[name] += [loss for _, loss in logs]
-            wire[name] += _wire(trainer.groups, before)
+            wire[name] += _wire(reads_nic, before)
             step[name] += args.steps
             if name == args.traced:
-                logs = _steps(trainer, step[name], args.steps, tracer=tracer)
+                logs = _steps(TracedEntry(tracer), step[name], args.steps)
                 traced += [seconds for seconds, _ in logs]
                 losses[name] += [loss for _, loss in logs]
                 step[name] += args.steps

@@ -4,12 +4,17 @@
   and sliced per the plan; the whole copy is dropped after set-up.
 - Data: the global batch of step s is samples [s * B, (s + 1) * B); a rank loads only its rows
   (the shard lengths of the input's layout), or all of them for replicated inputs.
-- Gradients of parameters replicated along some axis are all-reduced along it after the
-  backward pass, in buckets of GRAD_BUCKET_BYTES (one flat all-reduce per bucket); SFB weights
+- Gradients of parameters replicated along some axis are all-reduced along it in the plan's
+  buckets, each launched asynchronously from the backward pass as soon as its gradients are
+  ready, on process groups of its own, while the backward goes on (runtime.grad_sync); the
+  step waits for them after the backward (its `gradient_sync` phase is that wait). SFB weights
   and sharded parameters need none.
 - Clipping by the global norm: each element of the full model counts once (a replicated
-  parameter only on the first rank of its replica group).
-- The loss each rank computes is a Partial summand; the global loss is their all-reduced sum.
+  parameter only on the first rank of its replica group). When every parameter is replicated
+  on every rank (data parallelism), each rank holds the whole synchronised gradient and
+  computes the norm alone, with no all-reduce.
+- The loss each rank computes is a Partial summand; the global loss is their all-reduced sum,
+  issued asynchronously after the forward pass and waited at the end of the step.
 - Buffers the forward updates (BatchNorm statistics, counters) are written after the backward
   pass with the new values the program returns (replicated: the same on every rank).
 """
@@ -28,11 +33,11 @@ from instruction_set.layouts import Layout
 from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.plan import Plan
 from instruction_set.precision import float_everywhere, with_float_dtype
-from instruction_set.program import GRAD_BUCKET_BYTES
 from instruction_set.shards import MeshLayout
+from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, assign_buckets
 from runtime.codegen import RankProgram, build_rank_program
-from runtime.collectives.allreduce import reduce_sum
 from runtime.config import TrainConfig
+from runtime.grad_sync import BucketTiming, GradientSync
 from runtime.groups import Groups
 
 
@@ -41,6 +46,7 @@ class StepLog:
     loss: float
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)  # this rank's seconds per phase
+    buckets: list[BucketTiming] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Trainer:
     device: torch.device
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's, whole
     log: list[StepLog] = field(default_factory=list)
+    sync: GradientSync | None = None
 
 
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -83,8 +90,21 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     program = build_rank_program(plan, groups, state=state, device=device)
     buffers = {k: v for k, v in state.items() if k not in _param_names(spec)}
     del state  # no rank keeps whole copies of the parameters
+    sync = _gradient_sync(plan, program, groups)
     optimizer = make_optimizer(list(program.module.parameters()), config)
-    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers)
+    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers, sync=sync)
+
+
+def plan_buckets(plan: Plan) -> tuple[GradBucket, ...]:
+    """The plan's gradient buckets (assigned at the default cap for plans that predate them)."""
+    if plan.gradient_sync is not None:
+        return plan.gradient_sync.buckets
+    return assign_buckets(plan.graph, plan.instructions, plan.shards, DEFAULT_BUCKET_CAP_BYTES)
+
+
+def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
+    buckets = plan_buckets(plan)
+    return GradientSync.build(program.module, buckets, groups) if buckets else None
 
 
 def _param_names(spec: ModelSpec) -> set[str]:
@@ -117,42 +137,6 @@ def local_batch(trainer: Trainer, step: int) -> list[torch.Tensor]:
 
 # -- gradients ------------------------------------------------------------------------------------
 
-def sync_gradients(trainer: Trainer) -> None:
-    """All-reduce the gradients of replicated parameters along their replica axis, bucketed."""
-    by_kind: dict[tuple[str, str], list[torch.Tensor]] = {}
-    module = trainer.program.module
-    for p in trainer.program.params:
-        param = getattr(module, p.name)
-        if p.sync is None or not param.requires_grad:
-            continue
-        if param.grad is None:  # unused on this rank (an addend kept by another rank): zero summand
-            param.grad = torch.zeros_like(param)
-        by_kind.setdefault((p.sync.axis, p.sync.variant), []).append(param.grad)
-    groups = trainer.groups
-    for (axis, variant), grads in by_kind.items():
-        levels = (groups.span("inner"), groups.span("outer")) if variant == "hierarchical" else None
-        span = groups.span(axis)
-        for bucket in _buckets(grads):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            flat = reduce_sum(flat, span, levels)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for g in grads:
-        if out[-1] and size + g.numel() * g.element_size() > GRAD_BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(g)
-        size += g.numel() * g.element_size()
-    return [b for b in out if b]
-
-
 def update_buffers(trainer: Trainer, values: Sequence[torch.Tensor]) -> None:
     """Write the forward's new buffer values (RankProgram.updates order) into the buffers."""
     module = trainer.program.module
@@ -167,19 +151,20 @@ def counts_once(groups: Groups, layout: Layout) -> bool:
 
 
 def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
+    """Scale every gradient by max_norm / (||g|| + 1e-6) when that is below 1; returns ||g||."""
     module = trainer.program.module
-    total = torch.zeros((), dtype=torch.float64, device=trainer.device)
-    for p in trainer.program.params:
-        grad = getattr(module, p.name).grad
-        if grad is not None and counts_once(trainer.groups, p.layout):
-            total += grad.detach().double().pow(2).sum()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
+    params = [(p, getattr(module, p.name).grad) for p in trainer.program.params]
+    replicated = not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
+    counted = [g for p, g in params if g is not None and (replicated or counts_once(trainer.groups, p.layout))]
+    norms = torch._foreach_norm(counted, 2.0, dtype=torch.float64) if counted else []
+    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+    if not replicated:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
     norm = float(total.sqrt())
     scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for p in module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if scale < 1.0 and grads:
+        torch._foreach_mul_(grads, scale)
     return norm
 
 
@@ -201,25 +186,36 @@ def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) 
     marks = [("start", time.perf_counter())]
     inputs = local_batch(trainer, step) if inputs is None else inputs
     marks.append(("data", time.perf_counter()))
+    if trainer.sync is not None:
+        trainer.sync.begin_step()
     loss, *new_buffers = trainer.program.module(*inputs)
+    total = loss.detach().clone()
+    loss_work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"), async_op=True)
     marks.append(("forward", time.perf_counter()))
     loss.backward()
     update_buffers(trainer, new_buffers)
     marks.append(("backward", time.perf_counter()))
-    sync_gradients(trainer)
+    buckets = trainer.sync.finish() if trainer.sync is not None else []
     marks.append(("gradient_sync", time.perf_counter()))
     if trainer.config.max_grad_norm is not None:
         clip_global_norm(trainer, trainer.config.max_grad_norm)
     trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    _zero_unbucketed(trainer)
     marks.append(("update", time.perf_counter()))
-    total = loss.detach().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
+    loss_work.wait()
     marks.append(("loss", time.perf_counter()))
     phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
-    entry = StepLog(float(total), marks[-1][1] - marks[0][1], phases)
+    entry = StepLog(float(total), marks[-1][1] - marks[0][1], phases, buckets)
     trainer.log.append(entry)
     return entry
+
+
+def _zero_unbucketed(trainer: Trainer) -> None:
+    """Drop the gradients the buckets do not hold (theirs are zeroed by begin_step)."""
+    bucketed = trainer.sync.params if trainer.sync is not None else set()
+    for p in trainer.program.module.parameters():
+        if id(p) not in bucketed:
+            p.grad = None
 
 
 def local_parameters(trainer: Trainer) -> dict[str, tuple[str, torch.Tensor]]:
@@ -309,5 +305,5 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor
 
 
 __all__ = ["Any", "TrainConfig", "Trainer", "assemble", "clip_global_norm", "full_state", "local_batch",
-           "local_parameters", "model_buffers", "reference_training", "setup", "sync_gradients", "train_step",
+           "local_parameters", "model_buffers", "plan_buckets", "reference_training", "setup", "train_step",
            "update_buffers"]

@@ -135,6 +135,8 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("nan ratio", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "nan,1,1,1", "-o", _out(t)],
      "ratios must be finite, >= 0 and have a positive sum, got [nan, 1.0, 1.0, 1.0]"),
     ("ratios for 3", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "1,1,1", "-o", _out(t)], "3 ratios given for 4 devices"),
+    ("zero bucket cap", lambda t, p: PLAN + ["gpt:tiny", "--bucket-mb", "0", "-o", _out(t)],
+     "bucket cap 0.0 MiB: must be a finite number of at least one byte"),
     # cluster specs
     ("no cpu_quota", lambda t, p: PLAN[:2] + [_spec(t, "cpu-slow = 0.25\n", ""), "--model", "gpt:tiny", "-o", _out(t)],
      "cpu_quota has no entry for device kind(s) ['cpu-slow']"),

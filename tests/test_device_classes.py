@@ -10,11 +10,11 @@ import pytest
 from cost_models.device_classes import DeviceClasses
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import MemoryTerm
-from cost_models.terms import Form, Shares, Term
+from cost_models.terms import Cost, Form, Shares, Term
 import hetsynth
 from instruction_set.cluster import load_cluster
 from planner import baselines
-from planner.evaluate import program_terms
+from planner.step_cost import program_terms
 from planner.problem import Problem
 from planner.ratios import solve_ratios
 
@@ -31,10 +31,16 @@ def problem() -> tuple[Problem, hetsynth.Plan]:
 def _per_device(t: Term, classes: DeviceClasses) -> Term:
     x = classes.expand
     memory = None if t.memory is None else MemoryTerm(x(t.memory.fixed), x(t.memory.per_share))
-    f = t.time
-    assert isinstance(f, Form) and f.devices is None  # today's terms are single forms
-    return Term.leaf(LinearCost(x(f.cost.a), x(f.cost.b)), Shares(x(f.shares.values), f.shares.kind), f.category,
-                     memory)
+    at = None if t.memory_at is None else Shares(x(t.memory_at.values), t.memory_at.kind)
+    return Term(_expand(t.time, x), memory, at)
+
+
+def _expand(c: Cost, x) -> Cost:
+    """A cost over classes as the same cost over devices (forms over all entries)."""
+    if isinstance(c, Form):
+        assert c.devices is None
+        return Form(LinearCost(x(c.cost.a), x(c.cost.b)), Shares(x(c.shares.values), c.shares.kind), c.category)
+    return type(c)(tuple(_expand(p, x) for p in c.parts))
 
 
 def test_a_class_holds_devices_with_equal_shares(problem: tuple[Problem, hetsynth.Plan]) -> None:

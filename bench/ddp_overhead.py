@@ -1,0 +1,123 @@
+"""hetsynth's data-parallel plan against torch's DistributedDataParallel on equal ranks.
+
+    python bench/ddp_overhead.py [--model gpt:small-cpu] [--envs local emulated] [--rounds 8 --steps 2]
+
+Both train the same model from the same initialisation on the same rows (an even split of the
+global batch), with the same optimizer (AdamW) and global-norm clipping, interleaved in one
+launch (runtime.compare: warm-up, then rounds of a few steps of each in turn; a barrier before
+each round's timed steps). Environments:
+
+  local     two plain processes on this machine (one node, loopback, no quotas, one torch
+            thread each)
+  emulated  an equal-quota copy of configs/clusters/local-emulated.toml: two emulated nodes of
+            two workers at 0.25 CPU each (cgroup quotas), 200 Mbit/s between the nodes
+
+hetsynth's plan is the data-parallel program (planner.baselines.DP) at even ratios, exactly
+what `hetsynth plan --data-parallel` makes for equal devices. The table gives median step
+seconds, the ratio hetsynth / DDP (the acceptance figure: <= 1.05) and the median seconds of
+each phase on rank 0. Writes bench/results/ddp_overhead.json as {env: {"hetsynth_s", "ddp_s",
+"ratio", "phases": {name: {phase: s}}, "phases_by_rank": ..., "step_seconds": ...}}.
+The emulated part needs root (without it the processes run unshaped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ROOT, print_tables, write_json
+
+sys.path.insert(0, str(ROOT))
+
+EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
+
+LOCAL_SPEC = """name = "local-equal"
+description = "two plain processes on this machine"
+[device_kinds.cpu]
+throughput_flops = 20e9
+memory_gib = 4
+[[nodes]]
+name = "local"
+kind = "cpu"
+num_devices = 2
+[links]
+intra_node_bandwidth_gbps = 8
+intra_node_latency_us = 50
+inter_node_bandwidth_gbps = 8
+inter_node_latency_us = 50
+"""
+
+
+def equal_quota_copy(source: Path) -> str:
+    """The spec at `source` with every worker of the slowest quota's kind: equal ranks on the
+    same nodes and links (TOML)."""
+    import tomllib
+
+    from instruction_set.cluster import cluster_from_dict, dump_cluster_toml
+
+    raw = tomllib.loads(source.read_text())
+    quotas = raw["emulation"]["cpu_quota"]
+    slow = min(quotas, key=quotas.get)
+    raw["name"], raw["description"] = f"{raw['name']}-equal", f"every worker at {quotas[slow]} CPU"
+    raw["device_kinds"] = {slow: raw["device_kinds"][slow]}
+    raw["emulation"]["cpu_quota"] = {slow: quotas[slow]}
+    for node in raw["nodes"]:
+        node["kind"] = slow
+    return dump_cluster_toml(cluster_from_dict(raw, str(source)))
+
+
+def run_env(env: str, model: str, workdir: Path, rounds: int, steps: int) -> dict:
+    import hetsynth
+    from planner import baselines
+    from planner.planner import make_plan
+    from runtime.launch import launch_checked
+
+    spec_path = workdir / f"{env}.toml"
+    spec_path.write_text(LOCAL_SPEC if env == "local" else equal_quota_copy(EMULATED))
+    cluster = hetsynth.load_cluster(str(spec_path))
+    plan = make_plan(hetsynth.capture_model(model), cluster, ratios=baselines.even(cluster),
+                     restrictions=baselines.DP, progress=False, with_baselines=False)
+    plan_path, report = workdir / f"{env}-plan.json", workdir / f"{env}-compare.json"
+    hetsynth.save_plan(plan, plan_path)
+    launch_checked(cluster, ["-m", "runtime.compare", "--plans", str(plan_path), "--names", "hetsynth",
+                             "--ddp", f"ddp=mean:{plan_path}", "--warmup", "2", "--rounds", str(rounds),
+                             "--steps", str(steps), "--report", str(report)], f"ddp_overhead ({env})")
+    times = json.loads(report.read_text())
+    h, d = times["hetsynth"], times["ddp"]
+    return {"hetsynth_s": h["median_s"], "ddp_s": d["median_s"], "ratio": h["median_s"] / d["median_s"],
+            "phases": {n: times[n]["phases_by_rank"][0] for n in ("hetsynth", "ddp")},
+            "phases_by_rank": {n: times[n]["phases_by_rank"] for n in ("hetsynth", "ddp")},
+            "step_seconds": {n: times[n]["step_seconds"] for n in ("hetsynth", "ddp")},
+            "losses": {n: times[n]["losses"] for n in ("hetsynth", "ddp")},
+            "devices": cluster.num_devices}
+
+
+def phase_text(phases: dict[str, float]) -> str:
+    return " ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items() if k != "data")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gpt:small-cpu")
+    parser.add_argument("--envs", nargs="+", default=["local", "emulated"], choices=["local", "emulated"])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    results, rows = {}, []
+    for env in args.envs:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = results[env] = run_env(env, args.model, Path(tmp), args.rounds, args.steps)
+        rows.append([env, r["devices"], f"{r['hetsynth_s']:.4f}", f"{r['ddp_s']:.4f}", f"{r['ratio']:.3f}x",
+                     phase_text(r["phases"]["hetsynth"]), phase_text(r["phases"]["ddp"])])
+        print(rows[-1], flush=True)
+    header = ["environment", "ranks", "hetsynth s", "torch DDP s", "hetsynth / DDP",
+              "hetsynth phases ms (rank 0)", "DDP phases ms (rank 0)"]
+    print_tables(rows, header)
+    write_json("ddp_overhead.json", {"model": args.model, "rounds": args.rounds, "steps": args.steps, **results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Gradient buckets: which replicated parameters' gradients are all-reduced together, in what
+order, as plan data (`Plan.gradient_sync`).
+
+A parameter's gradient is complete once the backward pass has gone back past the first
+compute instruction that reads it (its first use); the backward runs the program in reverse,
+so gradients become ready in reverse order of first use. Buckets follow that order (what torch
+DDP reaches after its bucket rebuild, Li et al., VLDB 2020): parameters sorted by first use,
+latest first (ties by name), each appended to the open bucket of its all-reduce's (axis,
+variant); a bucket closes when the next parameter would take it past `bucket_cap_bytes` (a
+parameter larger than the cap is a bucket of its own; no parameter is split). Buckets are
+numbered by when their last gradient is ready. Bucket b is launched, asynchronously, as soon as
+its last gradient is ready and every bucket before it has been launched, so the launch order
+is the index order on every rank; it is waited once before clipping and the optimizer step
+(runtime.grad_sync).
+
+`ready_after[b]` is the compute instruction (the graph node) whose backward completes bucket
+b: the earliest first use among its parameters. `nbytes[b]` is the bucket's size on the rank
+that holds the most (an `R|S(d)` parameter is all-reduced across nodes and its local shard
+differs between local indices: each cross-node group reduces its own size).
+
+The cap is a plan decision: the planner picks the one the cost model predicts fastest
+(planner.buckets) and `hetsynth plan --bucket-mb` forces one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from instruction_set.graph import ReferenceGraph
+from instruction_set.layouts import Layout
+from instruction_set.program import Instruction
+
+DEFAULT_BUCKET_CAP_BYTES = 2**20  # torch DDP's first bucket (kDefaultFirstBucketBytes)
+
+
+class GradBucket(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int
+    axis: str
+    variant: str
+    params: tuple[str, ...]   # graph parameter names, in buffer order
+    ready_after: str          # the compute node whose backward completes the bucket
+    nbytes: int               # bytes on the rank that holds the most
+
+
+class GradientSync(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket_cap_bytes: int
+    buckets: tuple[GradBucket, ...] = ()
+    chosen_from: dict[str, float] = {}  # candidate cap in MiB -> predicted step seconds
+
+
+def first_uses(graph: ReferenceGraph, program: Sequence[Instruction]) -> dict[str, tuple[int, str]]:
+    """Parameter -> (index of the first compute instruction reading it, that node)."""
+    out: dict[str, tuple[int, str]] = {}
+    for i, ins in enumerate(program):
+        if ins.kind != "compute":
+            continue
+        for name in graph.node(ins.node).inputs:
+            out.setdefault(name, (i, ins.node))
+    return out
+
+
+def local_nbytes(graph: ReferenceGraph, shards: Mapping, name: str, layout: Layout) -> int:
+    """The largest local size of a parameter in its storage layout, in bytes."""
+    meta = graph.node(name).out
+    shape = list(meta.shape)
+    if layout.is_shard:
+        for dim, lengths in shards[name][layout].items():
+            shape[int(dim)] = max(lengths)
+    return math.prod(shape) * meta.nbytes // max(math.prod(meta.shape), 1)
+
+
+def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards: Mapping,
+                   cap_bytes: int) -> tuple[GradBucket, ...]:
+    """The buckets of a program's backward all-reduces (module docstring)."""
+    if cap_bytes < 1:
+        raise ValueError(f"gradient bucket cap {cap_bytes} bytes: must be at least 1")
+    uses = first_uses(graph, program)
+    syncs = [i for i in program if i.kind == "all_reduce" and i.phase == "backward"]
+    for ins in syncs:  # read by no compute instruction: ready only at the end of the backward
+        uses.setdefault(ins.tensor, (-1, ""))
+    syncs.sort(key=lambda i: (-uses[i.tensor][0], i.tensor))
+    done: list[tuple[int, list[tuple[Instruction, int]]]] = []   # (readiness position, members)
+    open_: dict[tuple[str, str], list[tuple[Instruction, int]]] = {}
+    for pos, ins in enumerate(syncs):
+        size, key = local_nbytes(graph, shards, ins.tensor, ins.layout), (ins.axis, ins.variant)
+        members = open_.setdefault(key, [])
+        if members and sum(s for _, s in members) + size > cap_bytes:
+            done.append((pos - 1, open_.pop(key)))
+            members = open_[key] = []
+        members.append((ins, size))
+    last = {id(m): pos for pos, ins in enumerate(syncs) for m in open_.values() if m[-1][0] is ins}
+    done += [(last[id(m)], m) for m in open_.values()]
+    done.sort(key=lambda d: d[0])
+    return tuple(GradBucket(index=b, axis=g[0][0].axis, variant=g[0][0].variant,
+                            params=tuple(i.tensor for i, _ in g),
+                            ready_after=min((uses[i.tensor] for i, _ in g))[1],
+                            nbytes=sum(s for _, s in g)) for b, (_, g) in enumerate(done))
+
+
+def check_buckets(sync: GradientSync, program: Sequence[Instruction]) -> None:
+    """Every backward all-reduce of the program in exactly one bucket, and nothing else."""
+    want = sorted(i.tensor for i in program if i.kind == "all_reduce" and i.phase == "backward")
+    got = sorted(p for b in sync.buckets for p in b.params)
+    if got != want:
+        raise ValueError(f"gradient buckets hold {got} but the program all-reduces the gradients of {want}")
+    if [b.index for b in sync.buckets] != list(range(len(sync.buckets))):
+        raise ValueError(f"gradient bucket indices {[b.index for b in sync.buckets]}: must be 0, 1, ... in order")
+
+
+def gradient_sync(graph: ReferenceGraph, program: Sequence[Instruction], shards: Mapping,
+                  cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                  chosen_from: Mapping[str, float] | None = None) -> GradientSync:
+    return GradientSync(bucket_cap_bytes=cap_bytes, buckets=assign_buckets(graph, program, shards, cap_bytes),
+                        chosen_from=dict(chosen_from or {}))
+
+
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradBucket", "GradientSync", "assign_buckets", "check_buckets", "first_uses",
+           "gradient_sync", "local_nbytes"]

@@ -1,0 +1,183 @@
+"""A program's step as composed cost terms: the gradient buckets' all-reduces overlapped with
+the backward pass (an Overlap of cost_models.terms), and the choice of the bucket cap.
+
+The runtime (runtime.grad_sync) launches bucket b's all-reduce asynchronously as soon as its
+last gradient is ready, in bucket order, and waits for all of them after the backward pass.
+Each instruction's form (evaluate.instruction_term) is split into a forward half and a
+backward half: a compute op by its forward share of FLOPs, phi = flops_fwd / (flops_fwd +
+flops_bwd) (1/3 when the counter has none); a forward collective whose gradient flows by half
+(its adjoint is the same collective backwards); an SFB weight's factor gathers are backward
+work; parameter updates come after the backward. The backward runs the program i = N..1 in
+reverse; bucket b (b = 1..B, launch order, instruction_set.sync) is ready once the backward
+has gone back past the first use p_b of its parameters, after
+
+    R_b = sum_{i >= p_b} c_i          of backward work (c_i: the backward halves),
+
+and its all-reduce takes S_b (cost_models.comm at the bucket's bytes, variant and axis). One
+serial stream, e_b = max(e_{b-1}, R_b) + S_b, unrolls (max-plus) to
+
+    T_bwd = max( R_1..N + gamma sum_b S_b ,  max_b ( R_b + sum_{b' >= b} S_b' ) )
+
+where gamma in [0, 1] is the share of a transfer that takes the compute's own CPU (GAMMA).
+This is exactly an Overlap of B + 1 Series: the whole backward, and for each bucket the
+backward up to its readiness followed by its and the later buckets' all-reduces. The
+backward's halves are cut into segments at the readiness points, and every branch reuses the
+same segment objects, so the sharding-ratio LP (planner.ratios) lowers each distinct form
+once and the overlap as one epigraph variable: the LP sees the overlap, as the prediction
+does. The step is
+
+    T = sum_i f_i + T_bwd + sum_p update_p + scalars
+
+(f_i the forward halves; scalars: the all-reduce of the clipping norm, only when some
+gradient is sharded; the loss all-reduce is issued after the forward and hidden).
+
+The bucket cap: each candidate of CAPS_BYTES (and one bucket for everything) is costed with
+this form at the final ratios; the fastest wins (ties: the larger cap, fewer collectives) and
+is recorded in the plan with every candidate's prediction.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from cost_models.linear_cost import LinearCost
+from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
+from instruction_set.kinds import Category, Phase
+from instruction_set.plan import Prediction
+from instruction_set.program import COLLECTIVES, Instruction
+from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets
+from planner.evaluate import first_input_layouts, instruction_term, predict
+from planner.problem import Problem
+
+CAPS_BYTES = (2**18, 2**20, 4 * 2**20, 25 * 2**20)  # 256 KiB up to torch DDP's 25 MiB cap
+ONE_BUCKET = 2**62
+GAMMA = 0.0  # share of a transfer's time that the compute loses to it (module docstring)
+
+
+def _scaled(form: Form, factor: float) -> Form | None:
+    if factor <= 0.0:
+        return None
+    return form if factor == 1.0 else Form(form.cost.scaled(factor), form.shares, form.category, form.devices)
+
+
+def forward_share(pb: Problem, ins: Instruction) -> float:
+    """The part of an instruction's time spent in the forward pass (module docstring)."""
+    if ins.kind == "compute":
+        node = pb.graph.node(ins.node)
+        total = node.flops_fwd + node.flops_bwd
+        return node.flops_fwd / total if total > 0 else 1.0 / 3.0
+    if ins.kind == "sfb":
+        return 0.0
+    if ins.kind in COLLECTIVES and pb.requires_grad(ins.tensor):
+        return 0.5
+    return 1.0
+
+
+def bucket_sync(pb: Problem, bucket: GradBucket) -> Form:
+    """S_b: the bucket's all-reduce, a constant in the ratios."""
+    if pb.comm.group_size(bucket.axis) == 1:
+        seconds_ = 0.0
+    else:
+        seconds_ = pb.comm.cost("all_reduce", bucket.variant, float(bucket.nbytes), bucket.axis).at(
+            (1.0 / pb.width,) * pb.width)
+    return Form(LinearCost.constant(seconds_, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
+                Category.COMMUNICATION)
+
+
+def _is_bucketed(ins: Instruction) -> bool:
+    return ins.kind == "all_reduce" and ins.phase == Phase.BACKWARD
+
+
+def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], list[Form | None], list[Term]]:
+    """(forward-half terms with the instructions' memory, backward half per instruction,
+    post-backward terms: the parameter updates)."""
+    x_layouts = first_input_layouts(program)
+    forward: list[Term] = []
+    backward: list[Form | None] = []
+    post: list[Term] = []
+    for ins in program:
+        term = None if _is_bucketed(ins) else instruction_term(pb, ins, x_layouts)
+        backward.append(None)
+        if term is None:
+            continue
+        assert isinstance(term.time, Form), "instruction terms are single forms"
+        if ins.kind == "param":
+            post.append(term)
+            continue
+        phi = forward_share(pb, ins)
+        backward[-1] = _scaled(term.time, 1.0 - phi)
+        ahead = _scaled(term.time, phi)
+        if ahead is not None or term.memory is not None:
+            forward.append(Term(ahead if ahead is not None else Series(()), term.memory, term.memory_at))
+    return forward, backward, post
+
+
+def backward_overlap(backward: Sequence[Form | None], ready: Sequence[int], sync: Sequence[Form],
+                     gamma: float = GAMMA) -> Cost:
+    """T_bwd as an Overlap (module docstring): `backward[i]` the backward half of instruction
+    i, `ready[b]` the first instruction whose backward completes bucket b."""
+    cuts = sorted(set(ready) | {0, len(backward)}, reverse=True)
+    segments = {start: Series(tuple(f for f in backward[start:end] if f is not None))
+                for end, start in zip(cuts, cuts[1:])}
+    done = {start: tuple(segments[s] for s in sorted(segments, reverse=True) if s >= start) for start in cuts}
+    whole: tuple[Cost, ...] = done[0] + tuple(_scaled(s, gamma) for s in sync if gamma > 0.0)
+    branches = [Series(whole)]
+    for b, start in enumerate(ready):
+        branches.append(Series(done[start] + tuple(sync[b:])))
+    return Overlap(tuple(branches))
+
+
+def program_terms(pb: Problem, program: Sequence[Instruction],
+                  buckets: Sequence[GradBucket] | None = None) -> list[Term]:
+    """The step's terms: forward halves, the overlapped backward, updates, scalars (buckets:
+    assigned at the default cap when not given)."""
+    if buckets is None:
+        buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES)
+    forward, backward, post = _split(pb, program)
+    first = {}
+    for i, ins in enumerate(program):
+        if ins.kind == "compute":
+            first.setdefault(ins.node, i)
+    ready = [first.get(b.ready_after, 0) for b in buckets]
+    overlap = Term(backward_overlap(backward, ready, [bucket_sync(pb, b) for b in buckets]))
+    return forward + [overlap] + post + _scalars(pb, program)
+
+
+def _scalars(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
+    """The clipping norm's all-reduce, only when some parameter is sharded (runtime.train)."""
+    if not any(i.kind == "param" and i.layout.is_shard for i in program):
+        return []
+    one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.width,) * pb.width)
+    return [Term.leaf(LinearCost.constant(one, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
+                      Category.COMMUNICATION)]
+
+
+def param_shards(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[str, dict[int, tuple[int, ...]]]]:
+    """Local lengths of the parameters' storage layouts (what bucket sizes need)."""
+    return {i.tensor: {i.layout: pb.lengths.rank_lengths(i.tensor, i.layout)}
+            for i in program if i.kind == "param" and i.layout.is_shard}
+
+
+def choose_buckets(pb: Problem, program: Sequence[Instruction],
+                   forced_cap: int | None = None) -> tuple[GradientSync, list[Term]]:
+    """The bucket cap the model predicts fastest (or `forced_cap`), its buckets and terms."""
+    shards = param_shards(pb, program)
+    tried: dict[int, tuple[tuple[GradBucket, ...], list[Term], float]] = {}
+    for cap in (forced_cap,) if forced_cap else (*CAPS_BYTES, ONE_BUCKET):
+        buckets = assign_buckets(pb.graph, program, shards, cap)
+        terms = program_terms(pb, program, buckets)
+        tried[cap] = (buckets, terms, sum(seconds(t.time) for t in terms))
+    best = min(tried, key=lambda c: (round(tried[c][2], 9), -c))
+    chosen_from = {("all" if c == ONE_BUCKET else f"{c / 2**20:g}"): t[2] for c, t in tried.items()}
+    return GradientSync(bucket_cap_bytes=best, buckets=tried[best][0], chosen_from=chosen_from), tried[best][1]
+
+
+def predict_program(pb: Problem, program: Sequence[Instruction],
+                    forced_cap: int | None = None) -> tuple[Prediction, GradientSync]:
+    """The prediction of a program with its gradient buckets at the cap the model prefers."""
+    sync, terms = choose_buckets(pb, program, forced_cap)
+    return predict(pb, terms), sync
+
+
+__all__ = ["CAPS_BYTES", "GAMMA", "backward_overlap", "bucket_sync", "choose_buckets", "forward_share",
+           "param_shards", "predict_program", "program_terms"]

@@ -1,0 +1,61 @@
+"""The step's cost with the gradient buckets' all-reduces overlapped with the backward pass
+(planner.step_cost): the max form by hand, the LP lowering of it, and the bucket cap the plan
+records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cost_models.linear_cost import LinearCost
+from cost_models.terms import Form, Shares, ShareKind, Term, exposed, seconds
+from hetsynth import capture_model
+from instruction_set.cluster import load_cluster
+from instruction_set.kinds import Category
+from planner.planner import make_plan
+from planner.ratios import solve_ratios
+from planner.step_cost import backward_overlap
+
+CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
+
+
+def const(seconds_: float, category: Category = Category.COMPUTE) -> Form:
+    return Form(LinearCost.constant(seconds_, 1), Shares((1.0,), ShareKind.NONE), category)
+
+
+def test_stream_chain_by_hand() -> None:
+    """Ten 1 s backward halves; buckets ready after 2, 5 and 9 s (the backward of instructions
+    8, 5 and 1), syncs of 1, 4 and 2 s: the stream ends at max(max(0, 2) + 1, 5) + 4 = 9,
+    then max(9, 9) + 2 = 11; 1 s exposed."""
+    backward = [const(1.0)] * 10
+    sync = [const(s, Category.COMMUNICATION) for s in (1.0, 4.0, 2.0)]
+    chain = backward_overlap(backward, [8, 5, 1], sync)
+    assert seconds(chain) == pytest.approx(11.0)
+    assert exposed(chain, Category.COMMUNICATION) == pytest.approx(1.0)
+    hidden = [const(s, Category.COMMUNICATION) for s in (1.0, 4.0, 0.5)]
+    assert seconds(backward_overlap(backward, [8, 5, 1], hidden)) == pytest.approx(10.0)
+    assert seconds(backward_overlap(backward, [8, 5, 1], hidden, gamma=1.0)) == pytest.approx(15.5)  # CPU-bound
+
+
+def test_lp_sees_the_overlap() -> None:
+    """Two devices, backward work max(2 r0, 4 r1) of which max(r0, 2 r1) comes before the
+    one bucket (1 s) is ready: the LP's optimum is r = (2/3, 1/3), max(4/3, 2/3 + 1) = 5/3,
+    the same as the overlap's seconds at those ratios (the shared form is one variable)."""
+    first = Form(LinearCost((0.0, 0.0), (1.0, 2.0)), Shares((0.5, 0.5), ShareKind.FLAT), Category.COMPUTE)
+    rest = Form(LinearCost((0.0, 0.0), (1.0, 2.0)), Shares((0.5, 0.5), ShareKind.FLAT), Category.COMPUTE)
+    sync = Form(LinearCost.constant(1.0, 2), Shares((1.0, 1.0), ShareKind.NONE), Category.COMMUNICATION)
+    chain = backward_overlap([rest, first], [1], [sync])
+    solution = solve_ratios([Term(chain)], [1.0, 1.0])
+    assert solution.ratios == pytest.approx((2 / 3, 1 / 3), abs=1e-6)
+    assert solution.objective_s == pytest.approx(5 / 3, rel=1e-6)
+
+
+def test_plan_records_the_cap_it_predicts_fastest() -> None:
+    graph = capture_model("gpt:tiny")
+    plan = make_plan(graph, load_cluster(CLUSTER), progress=False, with_baselines=False)
+    sync = plan.gradient_sync
+    assert sync.chosen_from and min(sync.chosen_from.values()) == pytest.approx(plan.predicted.step_time_s)
+    forced = make_plan(graph, load_cluster(CLUSTER), progress=False, with_baselines=False, bucket_cap=2**30)
+    assert forced.gradient_sync.bucket_cap_bytes == 2**30 and len(forced.gradient_sync.buckets) <= 2
+    assert forced.predicted.step_time_s >= plan.predicted.step_time_s - 1e-12
