@@ -148,38 +148,46 @@ def _pieces(ctx: _Ctx) -> list[tuple[int, Slice, Box]]:
 
 
 def _balanced_piece(ctx: _Ctx, i: int, s: Slice, piece: Box, load: dict, sent: dict) -> list[Chain]:
-    nbytes, bw = piece.numel * ctx.spec.itemsize, ctx.nics.nic_bytes_s
+    """The chains of one piece: local copies, loopback chains beside a sender, and one chain
+    from the sender host that keeps the NIC loads it touches smallest to the other hosts."""
     sender_hosts = sorted({ctx.host_of[r] for r in ctx.senders(s)})
     chains = [Chain(slice=i, box=piece, members=(r,), chunk_elems=max(piece.numel, 1))
               for r in ctx.dst[s.dst_tile].holders if r in ctx.senders(s)]
     remote = ctx.remote(s)
-    local = [r for r in remote if ctx.host_of[r] in sender_hosts]
-    for group in ctx.by_host(local):  # receivers beside a sender: over loopback
-        src = _least_loaded([q for q in ctx.senders(s) if ctx.host_of[q] == ctx.host_of[group[0]]], sent)
-        chains.append(ctx.chain(i, piece, (src, *group)))
-    far = [g for g in ctx.by_host([r for r in remote if r not in local])]
+    beside = [r for r in remote if ctx.host_of[r] in sender_hosts]
+    for group in ctx.by_host(beside):  # receivers beside a sender: over loopback
+        chains.append(ctx.chain(i, piece, (_sender_on(ctx, s, ctx.host_of[group[0]], sent), *group)))
+    far = ctx.by_host([r for r in remote if r not in beside])
     if not far:
         return chains
     far.sort(key=lambda g: (load[(ctx.host_of[g[0]], "out")], ctx.host_of[g[0]]))  # busiest forwards nothing
-
-    def after(g: int) -> float:
-        touched = {(g, "out"): nbytes / bw[g]}
-        for k, grp in enumerate(far):
-            h = ctx.host_of[grp[0]]
-            touched[(h, "in")] = touched.get((h, "in"), 0.0) + nbytes / bw[h]
-            if k + 1 < len(far):
-                touched[(h, "out")] = touched.get((h, "out"), 0.0) + nbytes / bw[h]
-        return max(load[r] + t for r, t in touched.items())
-
-    g = min(sender_hosts, key=lambda h: (after(h), load[(h, "out")], h))
-    sender = _least_loaded([q for q in ctx.senders(s) if ctx.host_of[q] == g], sent)
+    nbytes = piece.numel * ctx.spec.itemsize
+    g = min(sender_hosts, key=lambda h: (_load_after(ctx, h, far, nbytes, load), load[(h, "out")], h))
+    sender = _sender_on(ctx, s, g, sent)
     sent[sender] += nbytes
     chain = ctx.chain(i, piece, (sender, *[r for grp in far for r in grp]))
     for res, _, _ in hops(chain.members, ctx.host_of, ctx.nics):
         for r in res:
             if r[1] != "loop":
-                load[r] += nbytes / bw[r[0]]
+                load[r] += nbytes / ctx.nics.nic_bytes_s[r[0]]
     return chains + [chain]
+
+
+def _sender_on(ctx: _Ctx, s: Slice, host: int, sent: dict[int, int]) -> int:
+    return _least_loaded([q for q in ctx.senders(s) if ctx.host_of[q] == host], sent)
+
+
+def _load_after(ctx: _Ctx, g: int, far: list[list[int]], nbytes: int, load: dict) -> float:
+    """The largest load (seconds) among the NIC resources a chain from host g through the
+    hosts of `far` touches, after adding it: g's out, every host's in, the forwarders' out."""
+    bw = ctx.nics.nic_bytes_s
+    touched = {(g, "out"): nbytes / bw[g]}
+    for k, grp in enumerate(far):
+        h = ctx.host_of[grp[0]]
+        touched[(h, "in")] = touched.get((h, "in"), 0.0) + nbytes / bw[h]
+        if k + 1 < len(far):
+            touched[(h, "out")] = touched.get((h, "out"), 0.0) + nbytes / bw[h]
+    return max(load[r] + t for r, t in touched.items())
 
 
 def _rounds(ctx: _Ctx, chains: list[Chain]) -> list[Chain]:
