@@ -56,11 +56,10 @@ def test_plan_with_buckets_missing_a_gradient_is_refused() -> None:
 def sync_worker(rank: int, world: int, plan: Plan, steps: int) -> list:
     import torch.distributed as dist
 
-    from runtime.codegen import groups_mesh
     from runtime.groups import Groups
     from runtime.train import setup, train_step
 
-    trainer = setup(plan, Groups.create(groups_mesh(plan), rank, world=dist.group.WORLD), TrainConfig(steps=steps))
+    trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), TrainConfig(steps=steps))
     return [(log.phases["backward"] + log.phases["forward"], log.buckets)
             for log in (train_step(trainer, s) for s in range(steps))]
 
