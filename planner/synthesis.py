@@ -171,12 +171,18 @@ class _Facts:
         return [i for t in tensors for i in self.ids_of.get(t, ())]
 
     def restrict(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
-        """The facts about these tensors."""
-        return ids.intersection(self._ids(tensors)) if tensors else frozenset()
+        """The facts about these tensors (scanning the smaller side)."""
+        if len(tensors) >= len(ids):
+            return frozenset(i for i in ids if self.tensor[i] in tensors)
+        return ids.intersection(self._ids(tensors))
 
     def drop(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
-        """The facts about other tensors."""
-        return ids.difference(self._ids(tensors)) if tensors else ids
+        """The facts about other tensors (scanning the smaller side)."""
+        if not tensors:
+            return ids
+        if len(tensors) >= len(ids):
+            return frozenset(i for i in ids if self.tensor[i] not in tensors)
+        return ids.difference(self._ids(tensors))
 
 
 class _Pending:
