@@ -117,14 +117,39 @@ def forms(c: Cost) -> Iterator[Form]:
 
 
 def busy(c: Cost, category: Category, n: int) -> list[float]:
-    """Per entry: the seconds of its forms of `category`, overlapped or not."""
+    """Per entry: the seconds of its forms of `category`, overlapped or not, each piece of work
+    once. The branches of an Overlap may be paths through one schedule that share steps (the
+    same object: planner.step_cost's backward segments appear in every branch that waits for
+    them), so a step counts as often as the branch that holds it most often, not once per branch."""
     out = [0.0] * n
-    for f in forms(c):
-        if f.category is category:
-            a, b, s = f.cost.a, f.cost.b, f.shares.values
-            for i in f.entries():
-                out[i] += a[i] + b[i] * s[i]
+    for part, count in _work(c).values():
+        if isinstance(part, Form):
+            if part.category is category:
+                a, b, s = part.cost.a, part.cost.b, part.shares.values
+                for i in part.entries():
+                    out[i] += count * (a[i] + b[i] * s[i])
+        else:
+            for i, v in enumerate(busy(part, category, n)):
+                out[i] += count * v
     return out
+
+
+def _work(c: Cost) -> dict[int, tuple[Cost, int]]:
+    """The steps of `c` (by identity) with how many times each is done: a Form is one step, a
+    Series its parts' steps added, an Overlap, per step, the most any branch does it."""
+    if isinstance(c, Form):
+        return {id(c): (c, 1)}
+    if isinstance(c, Series):
+        out: dict[int, tuple[Cost, int]] = {}
+        for p in c.parts:
+            key, count = id(p), out.get(id(p), (p, 0))[1]
+            out[key] = (p, count + 1)
+        return out
+    merged: dict[int, tuple[Cost, int]] = {}
+    for branch in c.parts:
+        for key, (part, count) in _work(branch).items():
+            merged[key] = (part, max(count, merged.get(key, (part, 0))[1]))
+    return merged
 
 
 def without(c: Cost, category: Category) -> Cost | None:

@@ -13,8 +13,10 @@ start of the step, which every rank begins after a barrier). Here they become
   against the measured forward + backward seconds on each rank, median over the traced
   steps; the slowest rank's is the instruction's measured time (instructions are
   bulk-synchronous). What the runtime does in bulk is compared in bulk: the gradient
-  all-reduces of the plan (one instruction per parameter) with the gradient_sync phase, the
-  optimizer updates and the step's scalar all-reduces with the update and loss phases.
+  buckets' all-reduces overlap the backward, so the part of them the plan predicts left after
+  it (hetsynth.trace's wait for gradient sync) with the gradient_sync phase (the wait after the
+  backward); the optimizer updates and the step's scalar all-reduces with the update and loss
+  phases.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from instruction_set.plan import Plan
 from hetsynth.trace import (COMMUNICATION, COMPUTE, PHASES, STEP_SCALARS, complete, instruction_name, lane_of,
-                            plan_digest, predicted_instructions, process_events, trace_document)
+                            plan_digest, predicted_step, process_events, trace_document)
 
 MERGE_GAP_S = 2e-6  # backward node intervals of one instruction closer than this are one slice
 PHASE_LANES = {"data": COMPUTE, "gradient_sync": COMMUNICATION, "update": COMPUTE, "loss": COMMUNICATION}
@@ -121,13 +123,13 @@ def comparison(plan: Plan, trace: dict[str, Any]) -> dict[str, Any]:
     """Per-instruction predicted vs measured seconds (module docstring)."""
     n = plan.cluster.num_devices
     measured, phases = instruction_seconds(trace, n)
-    rows, bulk = [], {"gradient sync": [0.0, ["gradient_sync"]], "update and step all-reduces": [0.0, ["update", "loss"]]}
-    for t in predicted_instructions(plan):
+    step = predicted_step(plan)
+    rows, bulk = [], {"gradient sync": [step.sync_wait[1], ["gradient_sync"]],
+                      "update and step all-reduces": [0.0, ["update", "loss"]]}
+    for t in step.instructions:
         ins = plan.instructions[t.index] if t.index is not None else None
         if ins is None or ins.kind == "param":
             bulk["update and step all-reduces"][0] += t.step_s
-        elif ins.kind == "all_reduce" and ins.phase == "backward":
-            bulk["gradient sync"][0] += t.step_s
         else:
             by_rank = measured.get(t.index, [0.0] * n)
             rows.append({"instruction": t.index, "name": t.name, "kind": ins.kind, "lane": "compute" if t.lane == COMPUTE

@@ -24,10 +24,10 @@ from html import escape
 from typing import Any
 
 from hetsynth.report import cluster_summary, instruction_mix, si
-from hetsynth.trace import COMMUNICATION, COMPUTE, PHASES, WAIT, predicted_trace
+from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, PHASES, WAIT, predicted_trace
 from instruction_set.plan import Plan
 
-COLOURS = {COMPUTE: "#3b7dd8", COMMUNICATION: "#e8862a", WAIT: "#cfcfcf"}
+COLOURS = {COMPUTE: "#3b7dd8", COMMUNICATION: "#e8862a", WAIT: "#cfcfcf", GRADIENT_SYNC: "#2a9d6f"}
 WIDTH, ROW, LABEL = 1100, 18, 170
 MAX_ROWS = 16  # devices drawn in a timeline
 STYLE = """
@@ -178,7 +178,7 @@ def timeline_svg(trace: dict[str, Any], title: str, span_us: float, lanes: tuple
     index = {key: i for i, key in enumerate(rows)}
     scale = (WIDTH - LABEL - 10) / max(span_us, 1e-9)
     parts = [f'<text x="0" y="{i * ROW + 13}">{escape(names[pid].split(" (")[0][:18])} '
-             f'{["", "compute", "comm", "wait", "phases"][tid]}</text>' for i, (pid, tid) in enumerate(rows)]
+             f'{["", "compute", "comm", "wait", "phases", "grad sync"][tid]}</text>' for i, (pid, tid) in enumerate(rows)]
     for e in trace["traceEvents"]:
         if e["ph"] != "X" or (e["pid"], e["tid"]) not in index or e["dur"] <= 0 or e["args"].get("step", step) != step:
             continue
@@ -222,6 +222,7 @@ def timeline_section(plan: Plan, measured: dict[str, Any] | None) -> str:
     legend = (f'<p class=note><span style="color:{COLOURS[COMPUTE]}">■</span> compute '
               f'<span style="color:{COLOURS[COMMUNICATION]}">■</span> communication '
               f'<span style="color:{COLOURS[WAIT]}">■</span> waiting for the slowest device '
+              f'<span style="color:{COLOURS[GRADIENT_SYNC]}">■</span> gradient buckets (overlapping the backward) '
               f'<span style="color:#7a5ea8">■</span> step phases (measured). Each instruction of the predicted '
               f'step covers its forward and its backward; hover a slice for its name.</p>')
     pids = shown_devices(plan)
@@ -229,7 +230,7 @@ def timeline_section(plan: Plan, measured: dict[str, Any] | None) -> str:
         legend += (f"<p class=note>{len(pids)} of {plan.cluster.num_devices} devices shown: the first of each device "
                    f"kind and ratio (the trace files hold every device)</p>")
     out = "<h2>Timeline of a step</h2>" + legend
-    out += timeline_svg(predicted, f"predicted ({_ms(plan.predicted.step_time_s)})", span, (COMPUTE, COMMUNICATION, WAIT),
+    out += timeline_svg(predicted, f"predicted ({_ms(plan.predicted.step_time_s)})", span, (COMPUTE, COMMUNICATION, GRADIENT_SYNC, WAIT),
                         pids)
     if measured:
         out += timeline_svg(measured, f"measured (traced step {step}; the trace file holds every traced step)",

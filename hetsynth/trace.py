@@ -7,19 +7,25 @@ slice is an "X" (complete) event, times in microseconds from the start of the st
 after its instruction and op (`instruction_name`, shared with the measured trace), with the
 instruction's index, kind, variant, bytes and predicted seconds in its args.
 
-The time axis is the step model's (planner.evaluate): instructions are bulk-synchronous, so
-instruction k starts on every device when the slowest device finished instruction k-1,
+The time axis is the step model's (planner.step_cost): instructions are bulk-synchronous, so
+an instruction starts on every device when the slowest device finished the one before. The
+step runs the forward halves of the instructions in program order, their backward halves in
+reverse order, the parameter updates, then the step's scalar all-reduces:
 
-    start_k = sum_{j<k} max_i t_j(i),     step time = start_K + the step's scalar all-reduces,
+    forward   f_k(i) = phi_k t_k(i)          (phi_k: forward share, step_cost.forward_share)
+    backward  c_k(i) = (1 - phi_k) t_k(i)    k = N..1
+    bucket b  starts at max(e_{b-1}, R_b), ends e_b = start + S_b   (on its own lane)
 
-where t_j(i) is device i's predicted time of instruction j at the plan's shard lengths (an
-instruction's time covers its forward and its backward: the cost model charges both). A
-compute slice on device i lasts t_j(i); the rest of max_i t_j(i) is a `wait` slice naming the
-slowest device. A collective lasts max_i t_j(i) on every device (it ends together). So the
-compute lane of device i sums to the plan's predicted compute of device i and the
-communication lane to the plan's predicted communication; `predicted_instructions` checks
-this against the figures recorded in the plan and refuses a plan whose prediction this
-cost model does not reproduce.
+where t_k(i) is device i's predicted time of instruction k at the plan's shard lengths, R_b the
+time the backward has passed the first use of bucket b's parameters, S_b its all-reduce. The
+gradient buckets' all-reduces run on the "gradient sync" lane beside the backward; what of them
+is left after the backward (e_B minus the backward's end) is a "wait for gradient sync" slice
+on the communication lane. A compute slice on device i lasts its own time; the rest of the
+slowest device's is a `wait` slice naming it. A collective lasts the slowest device's time on
+every device. So the compute lane of device i sums to the plan's predicted compute of device i,
+the communication lane to the plan's exposed communication and the end to the step time;
+`predicted_step` checks this against the figures recorded in the plan and refuses a plan whose
+prediction this cost model does not reproduce.
 
 We write the events ourselves: torch.profiler writes traces only of what it profiled, and
 the format is a small JSON schema (TRACE_SCHEMA, used by the tests).
@@ -36,9 +42,11 @@ from cost_models.terms import Cost, Form, seconds
 from instruction_set.plan import Plan, PlanError
 from instruction_set.program import Instruction
 
-COMPUTE, COMMUNICATION, WAIT, PHASES = 1, 2, 3, 4
-LANES = {COMPUTE: "compute", COMMUNICATION: "communication", WAIT: "wait", PHASES: "step phases"}
-STEP_SCALARS = "step: scalar all-reduces (gradient norm, loss)"
+COMPUTE, COMMUNICATION, WAIT, PHASES, GRADIENT_SYNC = 1, 2, 3, 4, 5
+LANES = {COMPUTE: "compute", COMMUNICATION: "communication", WAIT: "wait", PHASES: "step phases",
+         GRADIENT_SYNC: "gradient sync (overlapped)"}
+STEP_SCALARS = "step: scalar all-reduces (gradient norm)"
+SYNC_WAIT = "wait for gradient sync"
 US = 1e6
 TOLERANCE = 1e-9  # relative, for the totals against the plan's figures
 
@@ -102,27 +110,109 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Placed:
+    """`share` of an instruction's seconds (its forward or backward half, or all of it), run
+    from `start_s` on every device."""
+
+    times: InstructionTimes
+    start_s: float
+    share: float
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A gradient bucket's all-reduce on the gradient sync lane."""
+
+    name: str
+    ready_s: float
+    start_s: float
+    seconds: float
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PredictedStep:
+    """The predicted step laid out in time (module docstring)."""
+
+    instructions: list[InstructionTimes]  # whole instructions in program order, then the scalars
+    placed: list[Placed]
+    buckets: list[Bucket]
+    sync_wait: tuple[float, float]        # (start, seconds) of the wait for the buckets
+    step_s: float
+
+
 def predicted_instructions(plan: Plan) -> list[InstructionTimes]:
-    """Every costed instruction's predicted seconds per device, in program order, then the
-    step's scalar all-reduces; checked against the plan's recorded prediction."""
-    from planner.evaluate import first_input_layouts, instruction_term, step_term
+    """Every costed instruction's predicted seconds per device (forward and backward), in
+    program order, then the step's scalar all-reduces; checked against the plan's prediction."""
+    return predicted_step(plan).instructions
+
+
+def predicted_step(plan: Plan) -> PredictedStep:
+    """The plan's step laid out as the cost model sees it; checked against its prediction."""
+    from planner.evaluate import first_input_layouts, instruction_term
     from planner.problem import Problem, Restrictions
+    from planner.step_cost import forward_share, is_bucketed, scalar_terms
 
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
-    expand, x_layouts, out = pb.devices.expand, first_input_layouts(plan.instructions), []
+    expand, x_layouts, times = pb.devices.expand, first_input_layouts(plan.instructions), {}
     for index, ins in enumerate(plan.instructions):
-        term = instruction_term(pb, ins, x_layouts)
-        if term is None:
-            continue
-        per_class = _per_class_seconds(term.time, plan, index)
-        out.append(InstructionTimes(index, instruction_name(plan, index), lane_of(ins), expand(per_class),
-                                    max(per_class), instruction_args(plan, index, pb.meta(ins.tensor).nbytes)))
-    step = step_term(pb)
-    step_s = seconds(step.time)
-    out.append(InstructionTimes(None, STEP_SCALARS, COMMUNICATION, (step_s,) * plan.cluster.num_devices, step_s,
-                                {"predicted_s": step_s}))
-    _check_totals(plan, out)
+        term = None if is_bucketed(ins) else instruction_term(pb, ins, x_layouts)
+        if term is not None:
+            per_class = _per_class_seconds(term.time, plan, index)
+            times[index] = InstructionTimes(index, instruction_name(plan, index), lane_of(ins), expand(per_class),
+                                            max(per_class), instruction_args(plan, index, pb.meta(ins.tensor).nbytes))
+    share = {i: forward_share(pb, plan.instructions[i]) for i in times}
+    steps = [i for i in times if plan.instructions[i].kind != "param"]
+    placed, t = _place([(times[i], share[i]) for i in steps], 0.0)
+    done: dict[int, float] = {}
+    for i in range(len(plan.instructions) - 1, -1, -1):
+        if i in share and plan.instructions[i].kind != "param":
+            more, t = _place([(times[i], 1.0 - share[i])], t)
+            placed += more
+        done[i] = t
+    buckets = _buckets(plan, pb, done)
+    sync_wait = (t, max(max((b.start_s + b.seconds for b in buckets), default=0.0) - t, 0.0))
+    updates, t = _place([(times[i], 1.0) for i in times if plan.instructions[i].kind == "param"], t + sync_wait[1])
+    scalars = [_scalar_times(term, plan.cluster.num_devices) for term in scalar_terms(pb, plan.instructions)]
+    tail, t = _place([(s, 1.0) for s in scalars], t)
+    step = PredictedStep(list(times.values()) + scalars, placed + updates + tail, buckets, sync_wait, t)
+    _check_totals(plan, step)
+    return step
+
+
+def _place(items: list[tuple[InstructionTimes, float]], start_s: float) -> tuple[list[Placed], float]:
+    """Run `items` (times, share) one after the other from `start_s`; (placed, end)."""
+    out = []
+    for times, share in items:
+        if share > 0.0:
+            out.append(Placed(times, start_s, share))
+            start_s += share * times.step_s
+    return out, start_s
+
+
+def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
+    """The buckets' all-reduces: bucket b is ready when the backward has passed its parameters'
+    first use (done[p_b]) and starts when the bucket before it has ended."""
+    from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
+    from planner.step_cost import bucket_sync, param_shards, ready_indices
+
+    buckets = (plan.gradient_sync.buckets if plan.gradient_sync is not None else
+               assign_buckets(plan.graph, plan.instructions, param_shards(pb, plan.instructions),
+                              DEFAULT_BUCKET_CAP_BYTES))
+    out, end = [], 0.0
+    for n, (bucket, ready) in enumerate(zip(buckets, ready_indices(plan.instructions, buckets))):
+        s, ready_s = seconds(bucket_sync(pb, bucket)), done.get(ready, 0.0)
+        args = {"bucket": n, "bytes": bucket.nbytes, "variant": bucket.variant, "axis": str(bucket.axis),
+                "predicted_s": s, "ready_s": ready_s}
+        out.append(Bucket(f"gradient bucket {n} all_reduce", ready_s, max(end, ready_s), s, args))
+        end = max(end, ready_s) + s
     return out
+
+
+def _scalar_times(term: Any, n: int) -> InstructionTimes:
+    s = seconds(term.time)
+    return InstructionTimes(None, STEP_SCALARS, COMMUNICATION, (s,) * n, s, {"predicted_s": s})
 
 
 def _per_class_seconds(cost: Cost, plan: Plan, index: int) -> list[float]:
@@ -135,21 +225,22 @@ def _per_class_seconds(cost: Cost, plan: Plan, index: int) -> list[float]:
     return values if cost.devices is None else [values[i] if i in cost.devices else 0.0 for i in range(len(values))]
 
 
-def device_totals(times: list[InstructionTimes], num_devices: int) -> tuple[list[float], float]:
-    """(compute seconds of each device, communication seconds) of a step."""
-    compute = [sum(t.per_device[i] for t in times if t.lane == COMPUTE) for i in range(num_devices)]
-    return compute, sum(t.step_s for t in times if t.lane == COMMUNICATION)
+def device_totals(step: PredictedStep, num_devices: int) -> tuple[list[float], float]:
+    """(compute seconds of each device, exposed communication seconds) of a step."""
+    compute = [sum(p.share * p.times.per_device[i] for p in step.placed if p.times.lane == COMPUTE)
+               for i in range(num_devices)]
+    comm = sum(p.share * p.times.step_s for p in step.placed if p.times.lane == COMMUNICATION)
+    return compute, comm + step.sync_wait[1]
 
 
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-12)
 
 
-def _check_totals(plan: Plan, times: list[InstructionTimes]) -> None:
+def _check_totals(plan: Plan, step: PredictedStep) -> None:
     p = plan.predicted
-    compute, comm = device_totals(times, plan.cluster.num_devices)
-    step = sum(t.step_s for t in times)
-    bad = [f"step time {step:.6g} s vs {p.step_time_s:.6g} s"] if not _close(step, p.step_time_s) else []
+    compute, comm = device_totals(step, plan.cluster.num_devices)
+    bad = [f"step time {step.step_s:.6g} s vs {p.step_time_s:.6g} s"] if not _close(step.step_s, p.step_time_s) else []
     bad += [f"{d.name} compute {c:.6g} s vs {d.compute_s:.6g} s" for c, d in zip(compute, p.devices)
             if not _close(c, d.compute_s)]
     bad += [f"communication {comm:.6g} s vs {p.communication_s:.6g} s"] if not _close(comm, p.communication_s) else []
@@ -177,18 +268,32 @@ def process_events(plan: Plan, lanes: tuple[int, ...]) -> list[dict[str, Any]]:
     return out
 
 
-def _slices(plan: Plan, t: InstructionTimes, start_s: float) -> list[dict[str, Any]]:
+def _slices(plan: Plan, placed: Placed) -> list[dict[str, Any]]:
+    t, start_s = placed.times, placed.start_s
+    step_s = placed.share * t.step_s
     devices = plan.cluster.devices
     slowest = max(range(len(devices)), key=lambda i: t.per_device[i])
     out = []
-    for rank, busy in enumerate(t.per_device):
+    for rank, device_s in enumerate(t.per_device):
         if t.lane == COMMUNICATION:
-            out.append(complete(t.name, rank, COMMUNICATION, start_s, t.step_s, t.args))
+            out.append(complete(t.name, rank, COMMUNICATION, start_s, step_s, t.args))
             continue
+        busy = placed.share * device_s
         out.append(complete(t.name, rank, COMPUTE, start_s, busy, {**t.args, "device_s": busy}))
-        if t.step_s - busy > TOLERANCE * t.step_s:
-            out.append(complete(f"wait for {devices[slowest].name}", rank, WAIT, start_s + busy, t.step_s - busy,
+        if step_s - busy > TOLERANCE * step_s:
+            out.append(complete(f"wait for {devices[slowest].name}", rank, WAIT, start_s + busy, step_s - busy,
                                 {"instruction": t.index, "waits_for": devices[slowest].name}))
+    return out
+
+
+def _sync_slices(plan: Plan, step: PredictedStep) -> list[dict[str, Any]]:
+    """The buckets on the gradient sync lane, and the wait for them on the communication lane."""
+    out = []
+    start, wait = step.sync_wait
+    for rank in range(plan.cluster.num_devices):
+        out += [complete(b.name, rank, GRADIENT_SYNC, b.start_s, b.seconds, b.args) for b in step.buckets]
+        if wait > 0.0:
+            out.append(complete(SYNC_WAIT, rank, COMMUNICATION, start, wait, {"predicted_s": wait}))
     return out
 
 
@@ -200,11 +305,11 @@ def trace_document(plan: Plan, kind: str, events: list[dict[str, Any]], **extra:
 
 def predicted_trace(plan: Plan) -> dict[str, Any]:
     """The predicted step of `plan` as a Chrome trace (module docstring)."""
-    events = process_events(plan, (COMPUTE, COMMUNICATION, WAIT))
-    start = 0.0
-    for t in predicted_instructions(plan):
-        events += _slices(plan, t, start)
-        start += t.step_s
+    step = predicted_step(plan)
+    events = process_events(plan, (COMPUTE, COMMUNICATION, GRADIENT_SYNC, WAIT))
+    for placed in step.placed:
+        events += _slices(plan, placed)
+    events += _sync_slices(plan, step)
     return trace_document(plan, "predicted", events, step_time_s=plan.predicted.step_time_s)
 
 

@@ -84,7 +84,7 @@ def bucket_sync(pb: Problem, bucket: GradBucket) -> Form:
                 Category.COMMUNICATION)
 
 
-def _is_bucketed(ins: Instruction) -> bool:
+def is_bucketed(ins: Instruction) -> bool:
     return ins.kind == "all_reduce" and ins.phase == Phase.BACKWARD
 
 
@@ -96,7 +96,7 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
     backward: list[Form | None] = []
     post: list[Term] = []
     for ins in program:
-        term = None if _is_bucketed(ins) else instruction_term(pb, ins, x_layouts)
+        term = None if is_bucketed(ins) else instruction_term(pb, ins, x_layouts)
         backward.append(None)
         if term is None:
             continue
@@ -134,16 +134,21 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
     if buckets is None:
         buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES)
     forward, backward, post = _split(pb, program)
-    first = {}
+    ready = ready_indices(program, buckets)
+    overlap = Term(backward_overlap(backward, ready, [bucket_sync(pb, b) for b in buckets]))
+    return forward + [overlap] + post + scalar_terms(pb, program)
+
+
+def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket]) -> list[int]:
+    """p_b: the instruction whose backward completes bucket b (the first use of its parameters)."""
+    first: dict[str, int] = {}
     for i, ins in enumerate(program):
         if ins.kind == "compute":
             first.setdefault(ins.node, i)
-    ready = [first.get(b.ready_after, 0) for b in buckets]
-    overlap = Term(backward_overlap(backward, ready, [bucket_sync(pb, b) for b in buckets]))
-    return forward + [overlap] + post + _scalars(pb, program)
+    return [first.get(b.ready_after, 0) for b in buckets]
 
 
-def _scalars(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
+def scalar_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
     """The clipping norm's all-reduce, only when some parameter is sharded (runtime.train)."""
     if not any(i.kind == "param" and i.layout.is_shard for i in program):
         return []
@@ -179,5 +184,6 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
     return predict(pb, terms), sync
 
 
-__all__ = ["CAPS_BYTES", "GAMMA", "backward_overlap", "bucket_sync", "choose_buckets", "forward_share",
+__all__ = ["CAPS_BYTES", "GAMMA", "backward_overlap", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
+           "ready_indices", "scalar_terms",
            "param_shards", "predict_program", "program_terms"]

@@ -36,6 +36,18 @@ def test_seconds_busy_and_exposed_of_a_small_tree() -> None:
     assert busy(step, COMM, 2) == pytest.approx([1.4, 1.4])
 
 
+def test_busy_counts_a_step_shared_by_overlap_branches_once() -> None:
+    """The backward overlap's branches share segments (the same objects): the backward's compute
+    is done once, however many buckets wait for it; a form twice in one branch is done twice."""
+    seg1 = Series((form((1.0, 2.0), (0.0, 0.0), COMPUTE),))
+    seg2 = Series((form((0.5, 0.5), (0.0, 0.0), COMPUTE),))
+    sync = form((0.3, 0.3), (0.0, 0.0), COMM)
+    twice = form((0.25, 0.25), (0.0, 0.0), COMPUTE)
+    overlap = Overlap((Series((seg1, seg2, twice, twice)), Series((seg1, sync)), Series((seg1, seg2, sync))))
+    assert busy(overlap, COMPUTE, 2) == pytest.approx([2.0, 3.0])
+    assert busy(overlap, COMM, 2) == pytest.approx([0.3, 0.3])
+
+
 def test_a_form_on_some_devices_counts_only_there() -> None:
     f = form((5.0, 1.0, 2.0), (0.0, 0.0, 0.0), COMPUTE, devices=(1, 2))
     assert seconds(f) == 2.0

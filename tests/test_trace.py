@@ -21,7 +21,7 @@ from hetsynth import capture_model
 from hetsynth.cli import main
 from hetsynth.measured import comparison, measured_trace
 from hetsynth.report_html import report_html
-from hetsynth.trace import COMMUNICATION, COMPUTE, TRACE_SCHEMA, predicted_trace
+from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, SYNC_WAIT, TRACE_SCHEMA, predicted_step, predicted_trace
 from instruction_set.plan import Plan, save_plan
 from planner.planner import make_plan
 from runtime.config import TrainConfig
@@ -69,6 +69,26 @@ def test_predicted_trace_matches_the_plan(plans: dict[str, Plan], name: str) -> 
     assert len(names) == n
     assert any(e["name"].startswith("wait for") for e in trace["traceEvents"]) == (len(set(plan.sharding_ratios)) > 1
                                                                                   or name == "vit searched")
+
+
+@pytest.mark.parametrize("name", ["gpt uneven", "vit searched"])
+def test_gradient_buckets_overlap_the_backward_in_the_trace(plans: dict[str, Plan], name: str) -> None:
+    """Every bucket of the plan is on the gradient sync lane, in order, none before it is ready
+    or before the one ahead of it ends; the wait after the backward is what is left of them."""
+    plan = plans[name]
+    step = predicted_step(plan)
+    assert plan.gradient_sync is not None and len(step.buckets) == len(plan.gradient_sync.buckets) > 0
+    end = 0.0
+    for b in step.buckets:
+        assert b.start_s == pytest.approx(max(end, b.ready_s), rel=1e-12)
+        end = b.start_s + b.seconds
+    start, wait = step.sync_wait
+    assert wait == pytest.approx(max(end - start, 0.0), abs=1e-15)
+    trace = predicted_trace(plan)
+    lane = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == GRADIENT_SYNC and e["pid"] == 0]
+    assert [e["name"] for e in lane] == [b.name for b in step.buckets]
+    waits = [e for e in trace["traceEvents"] if e.get("name") == SYNC_WAIT and e["pid"] == 0]
+    assert len(waits) == (wait > 0.0) and all(e["tid"] == COMMUNICATION for e in waits)
 
 
 def test_schema_refuses_what_is_not_a_trace() -> None:
