@@ -96,15 +96,20 @@ class Term:
         return Term(Form(cost, shares, category), memory, shares if memory is not None else None)
 
 
-def seconds(c: Cost) -> float:
+def seconds(c: Cost, _memo: dict[int, float] | None = None) -> float:
+    """The time of a cost (module docstring). A part shared by several branches (the same
+    object) is evaluated once per call."""
     if isinstance(c, Form):
         if c.devices is None:
             return c.cost.at(c.shares.values)
         a, b, s = c.cost.a, c.cost.b, c.shares.values
         return max(a[i] + b[i] * s[i] for i in c.devices)
-    if isinstance(c, Series):
-        return sum(seconds(p) for p in c.parts)
-    return max(seconds(p) for p in c.parts)
+    memo = {} if _memo is None else _memo
+    found = memo.get(id(c))
+    if found is None:
+        parts = (seconds(p, memo) for p in c.parts)
+        found = memo[id(c)] = sum(parts) if isinstance(c, Series) else max(parts)
+    return found
 
 
 def forms(c: Cost) -> Iterator[Form]:
