@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from instruction_set.plan import Plan
-from hetsynth.trace import (COMMUNICATION, COMPUTE, PHASES, STEP_SCALARS, complete, instruction_name, lane_of,
+from hetsynth.trace import (COMMUNICATION, COMPUTE, PHASES, complete, instruction_name, lane_of,
                             plan_digest, predicted_step, process_events, trace_document)
 
 MERGE_GAP_S = 2e-6  # backward node intervals of one instruction closer than this are one slice

@@ -194,12 +194,9 @@ def _place(items: list[tuple[InstructionTimes, float]], start_s: float) -> tuple
 def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
     """The buckets' all-reduces: bucket b is ready when the backward has passed its parameters'
     first use (done[p_b]) and starts when the bucket before it has ended."""
-    from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, assign_buckets
-    from planner.step_cost import bucket_sync, param_shards, ready_indices
+    from planner.step_cost import bucket_sync, ready_indices
 
-    buckets = (plan.gradient_sync.buckets if plan.gradient_sync is not None else
-               assign_buckets(plan.graph, plan.instructions, param_shards(pb, plan.instructions),
-                              DEFAULT_BUCKET_CAP_BYTES))
+    buckets = plan.buckets()
     out, end = [], 0.0
     for n, (bucket, ready) in enumerate(zip(buckets, ready_indices(plan.instructions, buckets))):
         s, ready_s = seconds(bucket_sync(pb, bucket)), done.get(ready, 0.0)

@@ -29,7 +29,7 @@ from instruction_set.mesh import Mesh
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
 from instruction_set.shards import MeshLayout
-from instruction_set.sync import GradientSync, check_buckets
+from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets, check_buckets
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,12 @@ class Plan(_Frozen):
     def placed(self, layout: Layout) -> MeshLayout:
         """`layout` on the plan's mesh: which rank holds what."""
         return MeshLayout(self.mesh, layout)
+
+    def buckets(self) -> tuple[GradBucket, ...]:
+        """The gradient buckets: as recorded, or at the default cap for plans without them."""
+        if self.gradient_sync is not None:
+            return self.gradient_sync.buckets
+        return assign_buckets(self.graph, self.instructions, self.shards, DEFAULT_BUCKET_CAP_BYTES)
 
     def lengths(self, tensor: str, layout: Layout) -> dict[int, tuple[int, ...]]:
         """{split dim: local length on each rank} of a tensor in a layout."""

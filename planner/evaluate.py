@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from cost_models.linear_cost import LinearCost
 from cost_models.memory import GIB, activation_memory, param_memory
 from cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
 from instruction_set.kinds import Category, Implementations, Phase
@@ -107,17 +106,6 @@ def _free(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> None:
 def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term | None:
     """The Term of one instruction (None for free ones), by its kind's registered cost term."""
     return TERMS.get(ins.kind, phase=ins.phase)(pb, ins, x_layouts)
-
-
-STEP_SCALARS = 2  # all-reduces of one scalar per step: the global gradient norm, the loss
-
-
-def step_term(pb: Problem) -> Term:
-    """What every step adds to any program: the runtime's scalar all-reduces over all
-    devices (runtime.train: global-norm clipping and the reported loss), latency-bound."""
-    one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.width,) * pb.width)
-    return Term.leaf(LinearCost.constant(STEP_SCALARS * one, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
-                     Category.COMMUNICATION)
 
 
 def first_input_layouts(program: Sequence[Instruction]) -> dict[str, Layout]:

@@ -34,7 +34,6 @@ from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.plan import Plan
 from instruction_set.precision import float_everywhere, with_float_dtype
 from instruction_set.shards import MeshLayout
-from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, assign_buckets
 from runtime.codegen import RankProgram, build_rank_program
 from runtime.config import TrainConfig
 from runtime.grad_sync import BucketTiming, GradientSync
@@ -95,15 +94,8 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers, sync=sync)
 
 
-def plan_buckets(plan: Plan) -> tuple[GradBucket, ...]:
-    """The plan's gradient buckets (assigned at the default cap for plans that predate them)."""
-    if plan.gradient_sync is not None:
-        return plan.gradient_sync.buckets
-    return assign_buckets(plan.graph, plan.instructions, plan.shards, DEFAULT_BUCKET_CAP_BYTES)
-
-
 def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
-    buckets = plan_buckets(plan)
+    buckets = plan.buckets()
     return GradientSync.build(program.module, buckets, groups) if buckets else None
 
 
@@ -305,5 +297,5 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor
 
 
 __all__ = ["Any", "TrainConfig", "Trainer", "assemble", "clip_global_norm", "full_state", "local_batch",
-           "local_parameters", "model_buffers", "plan_buckets", "reference_training", "setup", "train_step",
+           "local_parameters", "model_buffers", "reference_training", "setup", "train_step",
            "update_buffers"]

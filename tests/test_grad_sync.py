@@ -16,7 +16,6 @@ from planner import baselines
 from planner.planner import make_plan
 from planner.problem import Restrictions
 from runtime.config import TrainConfig
-from runtime.train import plan_buckets
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
@@ -84,6 +83,6 @@ def test_two_level_plan_gets_every_expected_gradient(pools) -> None:
              for part, layout in (("ffn.fc1", "S0|S2"), ("ffn.fc2", "S0|P")) if part in n.module_path}
     plan = make_plan(graph, load_cluster(CLUSTER), ratios=[0.4, 0.3, 0.2, 0.1], progress=False,
                      restrictions=Restrictions(force=force), with_baselines=False)
-    assert {b.axis for b in plan_buckets(plan)} >= {"outer"}
+    assert {b.axis for b in plan.buckets()} >= {"outer"}
     for steps in pools.get(4).run(sync_worker, plan, 2, timeout_s=300):
         assert not any(b.late for b in steps[1][1])
