@@ -17,14 +17,15 @@ tile; a receiver that is itself a sender copies locally in every method.
                    1..16, quantum = Σ b / (4 hosts)) so that the sender hosts can share them;
                    pieces by size, largest first (LPT), each from the sender host that keeps
                    the largest NIC load it touches smallest (out of the sender host, in and
-                   out of the forwarding hosts, in of the last), the host with the most
-                   outgoing load last (it forwards nothing); receivers on a sender's own host
+                   out of the forwarding hosts, in of the last), the receiving hosts ordered
+                   by their NIC load were they to forward (max of in and out, seconds), the
+                   most burdened last (it forwards nothing: a slow host that only receives
+                   keeps its NIC's out side free); receivers on a sender's own host
                    get a loopback chain; then the chains go into rounds that share no NIC
                    resource and no rank (first fit, longest chain first), kept unless
-                   running every chain at once is predicted more than 1 % faster: the model's
-                   figure for shared NICs assumes perfect sharing (optimistic), rounds share
-                   nothing; with two NIC speeds a round lasts as long as its slowest NIC and
-                   running at once wins
+                   running every chain at once is predicted faster, shared NICs costed with
+                   their contention (cost_models.flows.CONTENTION); with two NIC speeds a
+                   round lasts as long as its slowest NIC and running at once wins
 
 A Partial source is reduce-scattered over the source first (ring, `SourceReduction`) along the
 destination's first split dim (else the largest dim), by `source_lengths` (even when not given).
@@ -42,7 +43,6 @@ from instruction_set.resharding import (Box, Chain, MethodCost, ReshardError, Re
 from instruction_set.shards import largest_remainder
 
 Builder = Callable[["_Ctx"], list[Chain]]
-ROUNDS_SLACK = 1.01  # rounds are kept when within 1 % of running every chain at once
 
 
 class _Ctx:
@@ -132,7 +132,7 @@ def balanced_broadcast_chains(ctx: _Ctx) -> list[Chain]:
     rounds = _rounds(ctx, out)
     cost = {name: schedule_cost(chains, ctx.spec, ctx.nics, 0.0).predicted_s
             for name, chains in (("rounds", rounds), ("concurrent", out))}
-    return rounds if cost["rounds"] <= ROUNDS_SLACK * cost["concurrent"] else out
+    return rounds if cost["rounds"] <= cost["concurrent"] else out
 
 
 def _pieces(ctx: _Ctx) -> list[tuple[int, Slice, Box]]:
@@ -160,8 +160,8 @@ def _balanced_piece(ctx: _Ctx, i: int, s: Slice, piece: Box, load: dict, sent: d
     far = ctx.by_host([r for r in remote if r not in beside])
     if not far:
         return chains
-    far.sort(key=lambda g: (load[(ctx.host_of[g[0]], "out")], ctx.host_of[g[0]]))  # busiest forwards nothing
     nbytes = piece.numel * ctx.spec.itemsize
+    far.sort(key=lambda g: _forward_key(ctx, ctx.host_of[g[0]], nbytes, load))  # the busiest forwards nothing
     g = min(sender_hosts, key=lambda h: (_load_after(ctx, h, far, nbytes, load), load[(h, "out")], h))
     sender = _sender_on(ctx, s, g, sent)
     sent[sender] += nbytes
@@ -171,6 +171,15 @@ def _balanced_piece(ctx: _Ctx, i: int, s: Slice, piece: Box, load: dict, sent: d
             if r[1] != "loop":
                 load[r] += nbytes / ctx.nics.nic_bytes_s[r[0]]
     return chains + [chain]
+
+
+def _forward_key(ctx: _Ctx, h: int, nbytes: int, load: dict) -> tuple[float, float, float, int]:
+    """How burdened host h would be as a forwarder of the next `nbytes` (seconds): the larger of
+    its NIC's in and out loads after taking them both, then its out load; a faster NIC first on
+    a tie. A host whose NIC is saturated coming in (a slow host) goes last and forwards nothing."""
+    t = nbytes / ctx.nics.nic_bytes_s[h]
+    inn, out = load[(h, "in")] + t, load[(h, "out")] + t
+    return max(inn, out), out, -ctx.nics.nic_bytes_s[h], h
 
 
 def _sender_on(ctx: _Ctx, s: Slice, host: int, sent: dict[int, int]) -> int:
