@@ -1,20 +1,23 @@
 """Cross-mesh resharding on the emulated cluster: every method on the paper's cases, measured
 against the per-NIC cost model and the NIC lower bound.
 
-    python bench/resharding.py [--mib 32] [--reps 3] [--only case1 case7 ...]
+    python bench/resharding.py [--mib 32] [--reps 5] [--only case1 case7 ...]
 
-Two emulated clusters of 4 hosts x 4 CPU ranks (one network namespace per host, its NIC shaped
-both ways by tbf, ranks of a host on loopback; CPU quotas of 2 CPUs, i.e. no throttling:
-resharding is communication-bound): `uniform` (every NIC 500 Mbit/s) and `two-speed` (hosts at
-500, 250, 500, 500 Mbit/s). Cases: the paper's n-to-m cases 1-5, 7-9 with its (2,4) meshes kept
-(4 replicas per host: with 2 the model's 4x would be 2x), its 1-to-m cases, uneven shards
-(node blocks 0.6/0.4; ratios 0.7/0.2/0.1), zero-length shards and two NIC speeds. Case 6 ((2,4)
--> (3,4)) needs 5 hosts and is left out. Tensors are float64 arange, `--mib` MiB (32 by default).
+Emulated clusters of 4 CPU ranks per host (one network namespace per host, its NIC shaped both
+ways by tbf, ranks of a host on loopback; CPU quotas of 2 CPUs, i.e. no throttling: resharding
+is communication-bound): `uniform` (4 hosts, every NIC 500 Mbit/s), `two-speed` (4 hosts at
+500, 250, 500, 500 Mbit/s) and `five-host` (5 hosts at 500 Mbit/s, for the paper's case 6,
+(2,4) -> (3,4)). Cases: the paper's n-to-m cases 1-9 with its (2,4) meshes kept (4 replicas per
+host: with 2 the model's 4x would be 2x), its 1-to-m cases, uneven shards (node blocks 0.6/0.4;
+ratios 0.7/0.2/0.1), zero-length shards and two NIC speeds. Tensors are float64 arange, `--mib`
+MiB (32 by default).
 
 For every case and method (order rotated every repetition, one warm-up repetition first): the
 median seconds from a barrier until the last rank is done, the predicted seconds, the NIC lower
-bound, and whether every destination holds exactly the right values. Prints the table and the
-acceptance ratios; writes bench/results/resharding.json.
+bound, and whether every destination holds exactly the right values. Methods whose schedules
+are the same data (the same chains, e.g. one 2-member transfer in 1tom-1) are one piece of work:
+it is run once per repetition and its times are recorded for each of them (`same_schedule`).
+Prints the table and the acceptance ratios; writes bench/results/resharding.json.
 """
 
 from __future__ import annotations
@@ -38,17 +41,17 @@ from instruction_set.resharding import ReshardMethod, ReshardPlan  # noqa: E402
 from instruction_set.shards import largest_remainder  # noqa: E402
 from planner.resharding import plan_reshard  # noqa: E402
 
-PER_HOST, NUM_HOSTS = 4, 4
-SPEEDS = {"uniform": (500, 500, 500, 500), "two-speed": (500, 250, 500, 500)}
+PER_HOST = 4
+SPEEDS = {"uniform": (500, 500, 500, 500), "two-speed": (500, 250, 500, 500), "five-host": (500,) * 5}
 A, B = Mesh(2, 4, True, 0), Mesh(2, 4, True, 8)
 
 
 def cluster(speeds: tuple[int, ...]) -> ClusterSpec:
     return cluster_from_dict({
         "name": "resharding-bench", "device_kinds": {"cpu": {"throughput_flops": 1e10, "memory_gib": 2}},
-        "devices": [{"name": f"h{h}/{i}", "kind": "cpu"} for h in range(NUM_HOSTS) for i in range(PER_HOST)],
+        "devices": [{"name": f"h{h}/{i}", "kind": "cpu"} for h in range(len(speeds)) for i in range(PER_HOST)],
         "nodes": [{"name": f"h{h}", "devices": [f"h{h}/{i}" for i in range(PER_HOST)],
-                   "nic_bandwidth_gbps": speeds[h] / 1000} for h in range(NUM_HOSTS)],
+                   "nic_bandwidth_gbps": speeds[h] / 1000} for h in range(len(speeds))],
         "links": {"intra_node_bandwidth_gbps": 8, "intra_node_latency_us": 50, "inter_node_bandwidth_gbps": 0.5,
                   "inter_node_latency_us": 200},
         "emulation": {"cpu_quota": {"cpu": 2.0}, "period_us": 10000}})
@@ -72,6 +75,8 @@ def cases(rows: int) -> list[tuple[str, str, Placed, Placed, tuple[int, ...]]]:
         ("case3", "uniform", Placed(A, "S1|R", s1_outer), Placed(B, "S0|R", outer), shape),
         ("case4", "uniform", Placed(A, "S1", {1: (32,) * 8}), Placed(B, "S0", {0: split(rows, [1] * 8)}), shape),
         ("case5", "uniform", Placed(A, "R|S0", {0: split(rows, [1] * 4) * 2}), Placed(B, "S0|R", outer), shape),
+        ("case6", "five-host", Placed(A, "S0|R", outer),
+         Placed(Mesh(3, 4, True, 8), "S0|R", {0: tuple(n for n in split(rows, [1, 1, 1]) for _ in range(4))}), shape),
         ("case7", "uniform", Placed(one4, "S0", {0: split(rows, [1] * 4)}), Placed(B, "R", {}), shape),
         ("case8", "uniform", Placed(one4, "S0", {0: split(rows, [1] * 4)}), Placed(B, "S0|R", outer), shape),
         ("case9", "uniform", Placed(A, "S1|R", s1_outer), Placed(B, "S2|R", {2: (64,) * 8}), shape),
@@ -132,6 +137,7 @@ def analyse(name: str, ps: dict[str, ReshardPlan], record: dict, speeds: tuple[i
                             "model_sr_over_lb": round(picked.alternatives[ReshardMethod.SEND_RECV].predicted_s
                                                       / picked.alternatives[ReshardMethod.BROADCAST_LB].predicted_s, 3),
                             "repetitions": len(record["times"]["send_recv"]),
+                            "same_schedule": record.get("same", {}),
                             "times_s": record["times"]}}
 
 
@@ -162,7 +168,7 @@ def acceptance(results: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=32)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--out", default="resharding.json")
     args = p.parse_args()

@@ -1,7 +1,8 @@
 """Worker of bench/resharding.py (run by torchrun on the emulated cluster): for every case,
 repetition and method (order rotated every repetition) time one forward resharding from a
 barrier until the last rank is done, then check every destination's values against the
-arange tensor; rank 0 writes the records as JSON."""
+arange tensor; rank 0 writes the records as JSON. Methods whose plans move the data the same
+way (same chains) are run once per repetition and share the times (`same` in the record)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def measure(rank: int, args: argparse.Namespace) -> None:
     for case in cases:
         plans = {m: ReshardPlan.model_validate(p) for m, p in case["plans"].items()}
         x = _source(next(iter(plans.values())), rank)
-        methods = list(plans)
-        times: dict[str, list[float]] = {m: [] for m in methods}
+        same = _same_schedule(plans)
+        methods = [m for m in plans if same[m] == m]  # one run per distinct schedule
+        times: dict[str, list[float]] = {m: [] for m in plans}
         correct = {}
         for rep in range(args.reps + 1):  # the first repetition warms the connections up
             for k in range(len(methods)):
@@ -73,10 +75,22 @@ def measure(rank: int, args: argparse.Namespace) -> None:
         flags = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(correct, flags, dst=0)
         if rank == 0:
-            records.append({"name": case["name"], "times": times,
-                            "correct": {m: all(f[m] for f in flags) for m in methods}})
+            records.append({"name": case["name"], "times": {m: times[same[m]] for m in plans},
+                            "correct": {m: all(f[same[m]] for f in flags) for m in plans},
+                            "same": {m: same[m] for m in plans if same[m] != m}})
     if rank == 0:
         Path(args.out).write_text(json.dumps(records))
+
+
+def _same_schedule(plans: dict[str, ReshardPlan]) -> dict[str, str]:
+    """Each method -> the first method whose plan moves the data the same way (same source
+    reduction and chains): their runs are the same work, so it is run once for both."""
+    first: dict[str, str] = {}
+    out = {}
+    for m, p in plans.items():
+        key = json.dumps([p.model_dump(mode="json")[k] for k in ("source_reduction", "chains")])
+        out[m] = first.setdefault(key, m)
+    return out
 
 
 def _member(plan: ReshardPlan, rank: int) -> bool:
