@@ -10,7 +10,15 @@ primitives let the search find batch-parallel *and* vocab-parallel losses on its
     valid = target != ignore_index
     tl    = squeeze(gather(z, 1, unsqueeze(target * valid, 1)), 1)
     total = sum((lse - tl) * valid)
-    loss  = total / sum(valid)                   # mean reduction; total for sum reduction
+    count = sum(float(valid))                    # in x's dtype, as nll_loss's total_weight
+    loss  = total / count                        # mean reduction; total for sum reduction
+
+The count is summed in x's floating-point dtype (exact for fewer than 2^24 labels in float32,
+2^53 in float64; torch's nll_loss divides by the same float): a floating-point sum may be a
+partial sum (instruction_set.rules.registry keeps partials for floats only), so with the
+labels split by rows the count costs one scalar all-reduce instead of an all-gather of the
+label mask, and with the labels loaded whole (R; planner.transitions lets integer inputs be
+loaded whole under any restriction) it costs no communication at all.
 
 This equals `F.cross_entropy(x, target, ignore_index=...)` for 2-d `x` without class weights
 or label smoothing; other forms are left alone (and reported unsupported).
@@ -52,7 +60,9 @@ def _emit_cross_entropy(g: fx.Graph, x: fx.Node, target: fx.Node, reduction: int
     total = g.call_function(aten.sum.default, (per,))
     if reduction == SUM:
         return total
-    return g.call_function(aten.div.Tensor, (total, g.call_function(aten.sum.default, (valid,))))
+    dtype = x.meta["val"].dtype
+    count = g.call_function(aten.sum.default, (g.call_function(aten._to_copy.default, (valid,), {"dtype": dtype}),))
+    return g.call_function(aten.div.Tensor, (total, count))
 
 
 def decompose_cross_entropy(gm: fx.GraphModule) -> int:

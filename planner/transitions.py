@@ -112,15 +112,16 @@ def _cheapest_conversion(pb: Problem, tensor: str, have: set[Layout], want: Layo
 
 def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
     """Where a graph input may live: data by rows (S0, or S0|R on a two-level mesh) or whole;
-    parameters whole, split over all devices (S<d>) or inside each node (R|S<d>)."""
+    parameters whole, split over all devices (S<d>) or inside each node (R|S<d>). A restriction's
+    input layout (the baselines' S0) binds floating-point data; integer inputs (token ids,
+    labels: a few bytes a row) may also be loaded whole, so that what the loss needs of all of
+    them (cross-entropy's count of valid labels) is known with no communication."""
     dims = pb.shardable_dims(node.name)
     two = pb.mesh.two_level
     if node.op == "buffer":
         layouts = [R]
     elif node.op == "input":
-        forced = pb.restrictions.input_layout
-        layouts = [forced] if forced else [R] + ([S(0)] + ([Layout(Shard(0), Replicate())] if two else [])
-                                                 if 0 in dims else [])
+        layouts = _input_layouts(pb, node, two and 0 in dims, 0 in dims)
     else:
         layouts = [R] + [S(d) for d in dims] + ([Layout(Replicate(), Shard(d)) for d in dims] if two else [])
         layouts = _restrict_params(pb, node, layouts)
@@ -128,6 +129,13 @@ def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
     if forced is not None:
         layouts = [forced]
     return [l for l in layouts if pb.allowed(node.name, l)]
+
+
+def _input_layouts(pb: Problem, node: Node, two_level: bool, by_rows: bool) -> list[Layout]:
+    forced = pb.restrictions.input_layout
+    if forced is not None:
+        return [forced] + ([R] if not node.out.is_float and forced is not R else [])
+    return [R] + ([S(0)] if by_rows else []) + ([Layout(Shard(0), Replicate())] if two_level else [])
 
 
 def _restrict_params(pb: Problem, node: Node, layouts: list[Layout]) -> list[Layout]:
