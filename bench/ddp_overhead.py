@@ -13,10 +13,14 @@ each round's timed steps). Environments:
             two workers at 0.25 CPU each (cgroup quotas), 200 Mbit/s between the nodes
 
 hetsynth's plan is the data-parallel program (planner.baselines.DP) at even ratios, exactly
-what `hetsynth plan --data-parallel` makes for equal devices. The table gives median step
-seconds, the ratio hetsynth / DDP (the acceptance figure: <= 1.05) and the median seconds of
-each phase on rank 0. Writes bench/results/ddp_overhead.json as {env: {"hetsynth_s", "ddp_s",
-"ratio", "phases": {name: {phase: s}}, "phases_by_rank": ..., "step_seconds": ...}}.
+what `hetsynth plan --data-parallel` makes for equal devices, with the bucket cap the cost
+model chooses; beside it, interleaved in the same launch, the same program with one gradient
+bucket ("one bucket": its all-reduce can only start once the whole backward is done, so
+nothing overlaps; its `gradient_sync` phase is the unhidden sync). The table gives median
+step seconds, the ratio hetsynth / DDP (the acceptance figure: <= 1.05) and the median
+seconds of each phase on rank 0. Writes bench/results/ddp_overhead.json as {env:
+{"hetsynth_s", "ddp_s", "one_bucket_s", "ratio", "phases": {name: {phase: s}},
+"phases_by_rank": ..., "step_seconds": ...}}.
 The emulated part needs root (without it the processes run unshaped).
 """
 
@@ -73,25 +77,32 @@ def run_env(env: str, model: str, workdir: Path, rounds: int, steps: int) -> dic
     import hetsynth
     from planner import baselines
     from planner.planner import make_plan
+    from planner.step_cost import ONE_BUCKET
     from runtime.launch import launch_checked
 
     spec_path = workdir / f"{env}.toml"
     spec_path.write_text(LOCAL_SPEC if env == "local" else equal_quota_copy(EMULATED))
     cluster = hetsynth.load_cluster(str(spec_path))
-    plan = make_plan(hetsynth.capture_model(model), cluster, ratios=baselines.even(cluster),
-                     restrictions=baselines.DP, progress=False, with_baselines=False)
-    plan_path, report = workdir / f"{env}-plan.json", workdir / f"{env}-compare.json"
-    hetsynth.save_plan(plan, plan_path)
-    launch_checked(cluster, ["-m", "runtime.compare", "--plans", str(plan_path), "--names", "hetsynth",
-                             "--ddp", f"ddp=mean:{plan_path}", "--warmup", "2", "--rounds", str(rounds),
+    graph = hetsynth.capture_model(model)
+    paths = {}
+    for name, cap in (("hetsynth", None), ("one_bucket", ONE_BUCKET)):
+        plan = make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,
+                         progress=False, with_baselines=False, bucket_cap=cap)
+        paths[name] = workdir / f"{env}-{name}.json"
+        hetsynth.save_plan(plan, paths[name])
+    report = workdir / f"{env}-compare.json"
+    launch_checked(cluster, ["-m", "runtime.compare", "--plans", *map(str, paths.values()), "--names", *paths,
+                             "--ddp", f"ddp=mean:{paths['hetsynth']}", "--warmup", "2", "--rounds", str(rounds),
                              "--steps", str(steps), "--report", str(report)], f"ddp_overhead ({env})")
     times = json.loads(report.read_text())
-    h, d = times["hetsynth"], times["ddp"]
-    return {"hetsynth_s": h["median_s"], "ddp_s": d["median_s"], "ratio": h["median_s"] / d["median_s"],
-            "phases": {n: times[n]["phases_by_rank"][0] for n in ("hetsynth", "ddp")},
-            "phases_by_rank": {n: times[n]["phases_by_rank"] for n in ("hetsynth", "ddp")},
-            "step_seconds": {n: times[n]["step_seconds"] for n in ("hetsynth", "ddp")},
-            "losses": {n: times[n]["losses"] for n in ("hetsynth", "ddp")},
+    names = (*paths, "ddp")
+    return {"hetsynth_s": times["hetsynth"]["median_s"], "ddp_s": times["ddp"]["median_s"],
+            "one_bucket_s": times["one_bucket"]["median_s"],
+            "ratio": times["hetsynth"]["median_s"] / times["ddp"]["median_s"],
+            "phases": {n: times[n]["phases_by_rank"][0] for n in names},
+            "phases_by_rank": {n: times[n]["phases_by_rank"] for n in names},
+            "step_seconds": {n: times[n]["step_seconds"] for n in names},
+            "losses": {n: times[n]["losses"] for n in names},
             "devices": cluster.num_devices}
 
 
@@ -111,10 +122,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             r = results[env] = run_env(env, args.model, Path(tmp), args.rounds, args.steps)
         rows.append([env, r["devices"], f"{r['hetsynth_s']:.4f}", f"{r['ddp_s']:.4f}", f"{r['ratio']:.3f}x",
-                     phase_text(r["phases"]["hetsynth"]), phase_text(r["phases"]["ddp"])])
+                     f"{r['one_bucket_s']:.4f}", phase_text(r["phases"]["hetsynth"]),
+                     phase_text(r["phases"]["one_bucket"]), phase_text(r["phases"]["ddp"])])
         print(rows[-1], flush=True)
-    header = ["environment", "ranks", "hetsynth s", "torch DDP s", "hetsynth / DDP",
-              "hetsynth phases ms (rank 0)", "DDP phases ms (rank 0)"]
+    header = ["environment", "ranks", "hetsynth s", "torch DDP s", "hetsynth / DDP", "one bucket s",
+              "hetsynth phases ms (rank 0)", "one bucket phases ms", "DDP phases ms (rank 0)"]
     print_tables(rows, header)
     write_json("ddp_overhead.json", {"model": args.model, "rounds": args.rounds, "steps": args.steps, **results})
 
