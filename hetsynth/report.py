@@ -128,7 +128,8 @@ def _sync_lines(plan: Plan) -> list[str]:
     if g is None or not g.buckets:
         return []
     tried = ", ".join(f"{cap} MiB {s * 1e3:.1f} ms" for cap, s in g.chosen_from.items())
-    return [f"grad sync    {len(g.buckets)} bucket(s) of at most {g.bucket_cap_bytes / 2**20:g} MiB, launched "
+    first = "" if g.first_bucket_cap_bytes is None else f"the first of at most {g.first_bucket_cap_bytes / 2**20:g} MiB, "
+    return [f"grad sync    {len(g.buckets)} bucket(s), {first}at most {g.bucket_cap_bytes / 2**20:g} MiB, launched "
             f"during the backward pass" + (f" (predicted: {tried})" if tried else "")]
 
 

@@ -61,6 +61,16 @@ class DeviceKind(_Frozen):
     memory_gib: float = Field(gt=0)
     memory_bandwidth_gbyte_s: float = Field(default=500.0, gt=0)
     kernel_launch_us: float = Field(default=5.0, ge=0)
+    transfer_cpu_share: float = Field(
+        default=0.0, ge=0, le=1,
+        description="gamma: the share of an asynchronous collective's time that this device's compute "
+                    "loses while the collective is in flight (0: a copy engine or NCCL moves the bytes; "
+                    "near 1: CPU workers whose transfer threads share the compute's CPU quota); "
+                    "measured by hetsynth profile (profiling.overlap)")
+    transfer_cpu_us_per_message: float = Field(
+        default=0.0, ge=0,
+        description="the compute time this device loses per asynchronous message in flight (waking "
+                    "the transfer threads), beside transfer_cpu_share; measured by hetsynth profile")
     measured: bool = False
 
 

@@ -7,7 +7,9 @@ so gradients become ready in reverse order of first use. Buckets follow that ord
 DDP reaches after its bucket rebuild, Li et al., VLDB 2020): parameters sorted by first use,
 latest first (ties by name), each appended to the open bucket of its all-reduce's (axis,
 variant); a bucket closes when the next parameter would take it past `bucket_cap_bytes` (a
-parameter larger than the cap is a bucket of its own; no parameter is split). Buckets are
+parameter larger than the cap is a bucket of its own; no parameter is split), the first bucket
+of each (axis, variant) past `first_bucket_cap_bytes` when given (torch DDP: 1 MiB first so
+that communication starts early, then 25 MiB). Buckets are
 numbered by when their last gradient is ready. Bucket b is launched, asynchronously, as soon as
 its last gradient is ready and every bucket before it has been launched, so the launch order
 is the index order on every rank; it is waited once before clipping and the optimizer step
@@ -34,6 +36,8 @@ from instruction_set.layouts import Layout
 from instruction_set.program import Instruction
 
 DEFAULT_BUCKET_CAP_BYTES = 2**20  # torch DDP's first bucket (kDefaultFirstBucketBytes)
+# asynchronous collectives ("stages", runtime.grad_sync) one bucket's all-reduce issues, per variant
+SYNC_MESSAGES = {"ring": 1, "hierarchical": 3}
 
 
 class GradBucket(BaseModel):
@@ -51,6 +55,7 @@ class GradientSync(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bucket_cap_bytes: int
+    first_bucket_cap_bytes: int | None = None  # the first bucket's cap, when smaller (DDP's shape)
     buckets: tuple[GradBucket, ...] = ()
     chosen_from: dict[str, float] = {}  # candidate cap in MiB -> predicted step seconds
 
@@ -77,10 +82,12 @@ def local_nbytes(graph: ReferenceGraph, shards: Mapping, name: str, layout: Layo
 
 
 def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards: Mapping,
-                   cap_bytes: int) -> tuple[GradBucket, ...]:
+                   cap_bytes: int, first_cap_bytes: int | None = None) -> tuple[GradBucket, ...]:
     """The buckets of a program's backward all-reduces (module docstring)."""
-    if cap_bytes < 1:
-        raise ValueError(f"gradient bucket cap {cap_bytes} bytes: must be at least 1")
+    for what, cap in (("gradient bucket cap", cap_bytes), ("first gradient bucket cap", first_cap_bytes)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{what} {cap} bytes: must be at least 1")
+    closed: set[tuple[str, str]] = set()  # (axis, variant) whose first bucket has closed
     uses = first_uses(graph, program)
     syncs = [i for i in program if i.kind == "all_reduce" and i.phase == "backward"]
     for ins in syncs:  # read by no compute instruction: ready only at the end of the backward
@@ -91,9 +98,11 @@ def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards
     for pos, ins in enumerate(syncs):
         size, key = local_nbytes(graph, shards, ins.tensor, ins.layout), (ins.axis, ins.variant)
         members = open_.setdefault(key, [])
-        if members and sum(s for _, s in members) + size > cap_bytes:
+        cap = cap_bytes if key in closed or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
+        if members and sum(s for _, s in members) + size > cap:
             done.append((pos - 1, open_.pop(key)))
             members = open_[key] = []
+            closed.add(key)
         members.append((ins, size))
     last = {id(m): pos for pos, ins in enumerate(syncs) for m in open_.values() if m[-1][0] is ins}
     done += [(last[id(m)], m) for m in open_.values()]
@@ -121,5 +130,5 @@ def gradient_sync(graph: ReferenceGraph, program: Sequence[Instruction], shards:
                         chosen_from=dict(chosen_from or {}))
 
 
-__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "GradBucket", "GradientSync", "assign_buckets", "check_buckets", "first_uses",
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "SYNC_MESSAGES", "GradBucket", "GradientSync", "assign_buckets", "check_buckets", "first_uses",
            "gradient_sync", "local_nbytes"]

@@ -18,7 +18,15 @@ serial stream, e_b = max(e_{b-1}, R_b) + S_b, unrolls (max-plus) to
 
     T_bwd = max( R_1..N + gamma sum_b S_b ,  max_b ( R_b + sum_{b' >= b} S_b' ) )
 
-where gamma in [0, 1] is the share of a transfer that takes the compute's own CPU (GAMMA).
+where gamma in [0, 1] is the share of a transfer's time that the compute loses to it: each
+device kind's `transfer_cpu_share` (instruction_set.cluster), measured by `hetsynth profile`
+(profiling.profiler.transfer_cpu_share). On CPU workers gloo's transfer threads run inside the
+compute's own CPU quota (gamma near 1: the overlap hides little, and many small buckets cost
+their latency on the compute too); on GPUs the bytes move beside the compute (gamma near 0).
+Each message also costs m_i (transfer_cpu_us_per_message, the same measurement): a bucket's
+all-reduce is k_b messages (instruction_set.sync.SYNC_MESSAGES: ring 1, hierarchical 3
+stages), so the whole backward's branch adds sum_b (gamma_i S_b + m_i k_b), a compute form per
+device (`busy` counts it as compute): many small buckets pay m_i each.
 This is exactly an Overlap of B + 1 Series: the whole backward, and for each bucket the
 backward up to its readiness followed by its and the later buckets' all-reduces. The
 backward's halves are cut into segments at the readiness points, and every branch reuses the
@@ -31,13 +39,15 @@ does. The step is
 (f_i the forward halves; scalars: the all-reduce of the clipping norm, only when some
 gradient is sharded; the loss all-reduce is issued after the forward and hidden).
 
-The bucket cap: each candidate of CAPS_BYTES (and one bucket for everything) is costed with
-this form at the final ratios; the fastest wins (ties: the larger cap, fewer collectives) and
-is recorded in the plan with every candidate's prediction.
+The bucket cap: each candidate of CAPS_BYTES, one bucket for everything, and torch DDP's own
+shape (a 1 MiB first bucket, then 25 MiB; DDP_SHAPE) is costed with this form at the final
+ratios; the fastest wins (ties: the larger cap, fewer collectives) and is recorded in the plan
+with every candidate's prediction.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.linear_cost import LinearCost
@@ -45,19 +55,41 @@ from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Te
 from instruction_set.kinds import Category, Phase
 from instruction_set.plan import Prediction
 from instruction_set.program import COLLECTIVES, Instruction
-from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets
+from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, SYNC_MESSAGES, GradBucket, GradientSync, assign_buckets
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.problem import Problem
 
 CAPS_BYTES = (2**18, 2**20, 4 * 2**20, 25 * 2**20)  # 256 KiB up to torch DDP's 25 MiB cap
 ONE_BUCKET = 2**62
-GAMMA = 0.0  # share of a transfer's time that the compute loses to it (module docstring)
+DDP_SHAPE = (25 * 2**20, 2**20)  # torch DDP's default: a 1 MiB first bucket, then 25 MiB
 
 
 def _scaled(form: Form, factor: float) -> Form | None:
     if factor <= 0.0:
         return None
     return form if factor == 1.0 else Form(form.cost.scaled(factor), form.shares, form.category, form.devices)
+
+
+@dataclass(frozen=True)
+class TransferCpu:
+    """What a transfer in flight takes from each device class's compute: a share of its time
+    (gamma_i) and seconds per message (m_i), the kinds' measured figures (module docstring)."""
+
+    share: tuple[float, ...]
+    per_message_s: tuple[float, ...]
+
+    @staticmethod
+    def of(pb: Problem) -> "TransferCpu":
+        return TransferCpu(tuple(k.transfer_cpu_share for k in pb.kinds),
+                           tuple(k.transfer_cpu_us_per_message * 1e-6 for k in pb.kinds))
+
+    def loss(self, sync: Form, messages: int) -> Form | None:
+        """gamma_i S_b + m_i k_b on each device, a compute form (None when all zero)."""
+        a = tuple(g * x + m * messages for g, m, x in zip(self.share, self.per_message_s, sync.cost.a, strict=True))
+        if not any(x > 0.0 for x in a):
+            return None
+        return Form(LinearCost(a, (0.0,) * len(a)), Shares(sync.shares.values, ShareKind.NONE), Category.COMPUTE,
+                    sync.devices)
 
 
 def forward_share(pb: Problem, ins: Instruction) -> float:
@@ -113,14 +145,15 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
 
 
 def backward_overlap(backward: Sequence[Form | None], ready: Sequence[int], sync: Sequence[Form],
-                     gamma: float = GAMMA) -> Cost:
+                     lost: Sequence[Form | None] = ()) -> Cost:
     """T_bwd as an Overlap (module docstring): `backward[i]` the backward half of instruction
-    i, `ready[b]` the first instruction whose backward completes bucket b."""
+    i, `ready[b]` the first instruction whose backward completes bucket b, `lost[b]` the
+    compute bucket b's transfer takes (TransferCpu.loss; none: nothing)."""
     cuts = sorted(set(ready) | {0, len(backward)}, reverse=True)
     segments = {start: Series(tuple(f for f in backward[start:end] if f is not None))
                 for end, start in zip(cuts, cuts[1:])}
     done = {start: tuple(segments[s] for s in sorted(segments, reverse=True) if s >= start) for start in cuts}
-    whole: tuple[Cost, ...] = done[0] + tuple(_scaled(s, gamma) for s in sync if gamma > 0.0)
+    whole: tuple[Cost, ...] = done[0] + tuple(f for f in lost if f is not None)
     branches = [Series(whole)]
     for b, start in enumerate(ready):
         branches.append(Series(done[start] + tuple(sync[b:])))
@@ -135,7 +168,9 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
         buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES)
     forward, backward, post = _split(pb, program)
     ready = ready_indices(program, buckets)
-    overlap = Term(backward_overlap(backward, ready, [bucket_sync(pb, b) for b in buckets]))
+    sync, cpu = [bucket_sync(pb, b) for b in buckets], TransferCpu.of(pb)
+    lost = [cpu.loss(s, SYNC_MESSAGES[b.variant]) for s, b in zip(sync, buckets)]
+    overlap = Term(backward_overlap(backward, ready, sync, lost))
     return forward + [overlap] + post + scalar_terms(pb, program)
 
 
@@ -167,14 +202,23 @@ def choose_buckets(pb: Problem, program: Sequence[Instruction],
                    forced_cap: int | None = None) -> tuple[GradientSync, list[Term]]:
     """The bucket cap the model predicts fastest (or `forced_cap`), its buckets and terms."""
     shards = param_shards(pb, program)
-    tried: dict[int, tuple[tuple[GradBucket, ...], list[Term], float]] = {}
-    for cap in (forced_cap,) if forced_cap else (*CAPS_BYTES, ONE_BUCKET):
-        buckets = assign_buckets(pb.graph, program, shards, cap)
+    tried: dict[tuple[int, int | None], tuple[tuple[GradBucket, ...], list[Term], float]] = {}
+    caps = [(forced_cap, None)] if forced_cap else [(c, None) for c in (*CAPS_BYTES, ONE_BUCKET)] + [DDP_SHAPE]
+    for cap, first in caps:
+        buckets = assign_buckets(pb.graph, program, shards, cap, first)
         terms = program_terms(pb, program, buckets)
-        tried[cap] = (buckets, terms, sum(seconds(t.time) for t in terms))
-    best = min(tried, key=lambda c: (round(tried[c][2], 9), -c))
-    chosen_from = {("all" if c == ONE_BUCKET else f"{c / 2**20:g}"): t[2] for c, t in tried.items()}
-    return GradientSync(bucket_cap_bytes=best, buckets=tried[best][0], chosen_from=chosen_from), tried[best][1]
+        tried[cap, first] = (buckets, terms, sum(seconds(t.time) for t in terms))
+    best = min(tried, key=lambda c: (round(tried[c][2], 9), -c[0], -(c[1] or c[0])))
+    chosen_from = {_cap_label(*c): t[2] for c, t in tried.items()}
+    return GradientSync(bucket_cap_bytes=best[0], first_bucket_cap_bytes=best[1], buckets=tried[best][0],
+                        chosen_from=chosen_from), tried[best][1]
+
+
+def _cap_label(cap: int, first: int | None) -> str:
+    """A candidate's name in GradientSync.chosen_from: MiB, "all" for one bucket, "1+25" for
+    a 1 MiB first bucket and 25 MiB after it."""
+    text = "all" if cap == ONE_BUCKET else f"{cap / 2**20:g}"
+    return text if first is None else f"{first / 2**20:g}+{text}"
 
 
 def predict_program(pb: Problem, program: Sequence[Instruction],
@@ -184,6 +228,6 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
     return predict(pb, terms), sync
 
 
-__all__ = ["CAPS_BYTES", "GAMMA", "backward_overlap", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
+__all__ = ["CAPS_BYTES", "DDP_SHAPE", "backward_overlap", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
            "ready_indices", "scalar_terms",
-           "param_shards", "predict_program", "program_terms"]
+           "param_shards", "predict_program", "program_terms", "TransferCpu"]

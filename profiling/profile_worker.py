@@ -2,7 +2,8 @@
 
 Every rank measures its compute, then all ranks time the collectives on all ranks, on each
 node's ranks and on the cross-node groups of one rank per node, all groups at once
-(profiling.profiler); rank 0 fits alpha-beta and writes the measured spec.
+(profiling.profiler), then the compute an asynchronous all-reduce takes from each rank
+(profiling.overlap); rank 0 fits alpha-beta and writes the measured spec.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from instruction_set.cluster import dump_cluster_toml, load_cluster
 from instruction_set.mesh import Mesh
+from profiling.overlap import transfer_cpu_cost
 from profiling.profiler import measure_collectives, measure_compute, measured_spec
 from runtime.groups import Groups
 from runtime.rank import run_rank
@@ -52,6 +54,7 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
     if mesh.two_level:
         records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
         records["outer"] = measure_collectives(groups, "outer", sizes, device, args.reps, OUTER_SKEWS)
+    compute |= transfer_cpu_cost(groups.group("all"), device)
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(compute, gathered, dst=0)
     if rank == 0:
@@ -62,8 +65,10 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
         with open(args.output, "w") as f:
             f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
         for d, c in zip(cluster.devices, gathered):
-            log.info("%-12s %-10s %8.2f GFLOP/s  %6.2f GB/s  launch %6.1f us", d.name, d.kind,
-                     c["throughput_flops"] / 1e9, c["memory_bandwidth_gbyte_s"], c["kernel_launch_us"])
+            log.info("%-12s %-10s %8.2f GFLOP/s  %6.2f GB/s  launch %6.1f us  transfers take %.2f of their "
+                     "time + %.0f us per message", d.name, d.kind, c["throughput_flops"] / 1e9,
+                     c["memory_bandwidth_gbyte_s"], c["kernel_launch_us"], c["transfer_cpu_share"],
+                     c["transfer_cpu_us_per_message"])
 
 
 if __name__ == "__main__":

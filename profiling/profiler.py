@@ -40,6 +40,7 @@ from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
 from runtime.collectives.allreduce import reduce_ring
 from runtime.groups import Groups
 
+TRANSFER_CPU = ("transfer_cpu_share", "transfer_cpu_us_per_message")  # profiling.overlap, when measured
 SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest
 BUDGET_S = 1.5  # seconds of repetitions per measurement, at least one
 
@@ -221,6 +222,7 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
         mean = lambda key: statistics.mean(r[key] for r in rows)
         kinds[kind] = spec.model_copy(update={
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
-            "kernel_launch_us": mean("kernel_launch_us"), "measured": True})
+            "kernel_launch_us": mean("kernel_launch_us"), "measured": True,
+            **{key: mean(key) for key in TRANSFER_CPU if all(key in r for r in rows)}})
     return cluster.model_copy(update={"device_kinds": kinds,
                                       "calibration": calibration(records, cluster.rank_nodes())})

@@ -41,6 +41,9 @@ def test_buckets_follow_reverse_first_use_within_the_cap() -> None:
     assert len(plan.gradient_sync.buckets) > 2
     whole = assign_buckets(plan.graph, plan.instructions, plan.shards, 2**40)
     assert len(whole) == 1 and whole[0].nbytes == sum(b.nbytes for b in plan.gradient_sync.buckets)
+    ddp = assign_buckets(plan.graph, plan.instructions, plan.shards, 2**40, 4096)  # DDP's shape: small first
+    assert [len(b.params) for b in ddp] == [len(plan.gradient_sync.buckets[0].params), len(order) - len(ddp[0].params)]
+    assert ddp[0] == plan.gradient_sync.buckets[0]
 
 
 def test_plan_with_buckets_missing_a_gradient_is_refused() -> None:
@@ -86,3 +89,12 @@ def test_two_level_plan_gets_every_expected_gradient(pools) -> None:
     assert {b.axis for b in plan.buckets()} >= {"outer"}
     for steps in pools.get(4).run(sync_worker, plan, 2, timeout_s=300):
         assert not any(b.late for b in steps[1][1])
+
+
+def test_cost_model_counts_the_runtime_stages() -> None:
+    """The cost model's messages per bucket (instruction_set.sync.SYNC_MESSAGES, each charged
+    the measured per-message CPU) are the stages the runtime issues."""
+    from instruction_set.sync import SYNC_MESSAGES
+    from runtime.grad_sync import STAGES
+
+    assert {v: len(s) for v, s in STAGES.items()} == SYNC_MESSAGES

@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 
 from cost_models.linear_cost import LinearCost
-from cost_models.terms import Form, Shares, ShareKind, Term, exposed, seconds
+from cost_models.terms import Form, Overlap, Shares, ShareKind, Term, exposed, seconds
 from hetsynth import capture_model
 from instruction_set.cluster import load_cluster
 from instruction_set.kinds import Category
 from planner.planner import make_plan
 from planner.ratios import solve_ratios
-from planner.step_cost import backward_overlap
+from instruction_set.sync import SYNC_MESSAGES
+from planner.problem import Problem
+from planner.step_cost import backward_overlap, bucket_sync, program_terms
+from profiling.profiler import measured_spec
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
@@ -35,7 +38,9 @@ def test_stream_chain_by_hand() -> None:
     assert exposed(chain, Category.COMMUNICATION) == pytest.approx(1.0)
     hidden = [const(s, Category.COMMUNICATION) for s in (1.0, 4.0, 0.5)]
     assert seconds(backward_overlap(backward, [8, 5, 1], hidden)) == pytest.approx(10.0)
-    assert seconds(backward_overlap(backward, [8, 5, 1], hidden, gamma=1.0)) == pytest.approx(15.5)  # CPU-bound
+    assert seconds(backward_overlap(backward, [8, 5, 1], hidden, hidden)) == pytest.approx(15.5)  # CPU-bound
+    lost = [const(0.2 * s.cost.a[0]) for s in hidden]  # gamma = 0.2
+    assert seconds(backward_overlap(backward, [8, 5, 1], hidden, lost)) == pytest.approx(11.1)
 
 
 def test_lp_sees_the_overlap() -> None:
@@ -59,3 +64,42 @@ def test_plan_records_the_cap_it_predicts_fastest() -> None:
     forced = make_plan(graph, load_cluster(CLUSTER), progress=False, with_baselines=False, bucket_cap=2**30)
     assert forced.gradient_sync.bucket_cap_bytes == 2**30 and len(forced.gradient_sync.buckets) <= 2
     assert forced.predicted.step_time_s >= plan.predicted.step_time_s - 1e-12
+
+
+def with_gamma(cluster, gamma: float, per_message_us: float = 0.0):
+    kinds = {k: v.model_copy(update={"transfer_cpu_share": gamma, "transfer_cpu_us_per_message": per_message_us})
+             for k, v in cluster.device_kinds.items()}
+    return cluster.model_copy(update={"device_kinds": kinds})
+
+
+def test_transfer_cpu_share_charges_the_overlapped_compute() -> None:
+    """gamma = 1 (every transfer second taken from the compute): the backward costs its
+    compute plus every bucket's sync, the additive form; gamma = 0 hides some of it. The
+    program and buckets are the same, only the cluster's measured gamma differs."""
+    graph, cluster = capture_model("gpt:tiny"), load_cluster(CLUSTER)
+    plan = make_plan(graph, cluster, progress=False, with_baselines=False, bucket_cap=2**18)
+    costs = {}
+    for gamma, per_message in ((0.0, 0.0), (1.0, 0.0), (1.0, 1000.0)):
+        pb = Problem(graph, with_gamma(cluster, gamma, per_message), plan.sharding_ratios)
+        terms = program_terms(pb, plan.instructions, plan.gradient_sync.buckets)
+        overlap = next(t.time for t in terms if isinstance(t.time, Overlap))
+        whole, *branches = overlap.parts
+        costs[gamma + per_message] = (seconds(overlap), seconds(whole), max(seconds(b) for b in branches))
+    assert costs[1.0][0] == pytest.approx(costs[1.0][1]) and costs[1.0][1] >= costs[1.0][2]
+    syncs = sum(seconds(bucket_sync(pb, b)) for b in plan.gradient_sync.buckets)
+    assert costs[1.0][1] == pytest.approx(costs[0.0][1] + syncs)
+    assert costs[0.0][0] < costs[1.0][0]
+    messages = sum(SYNC_MESSAGES[b.variant] for b in plan.gradient_sync.buckets)  # 1 ms each
+    assert costs[1001.0][1] == pytest.approx(costs[1.0][1] + 1e-3 * messages)
+
+
+def test_measured_spec_records_the_transfer_cpu_share() -> None:
+    """The profiler writes each kind's mean gamma over its ranks (profiling.profiler)."""
+    cluster = load_cluster(CLUSTER)
+    compute = [{"throughput_flops": 1e9, "memory_bandwidth_gbyte_s": 1.0, "kernel_launch_us": 10.0,
+                "transfer_cpu_share": g, "transfer_cpu_us_per_message": 1e3 * g} for g in (0.2, 0.4, 0.9, 0.7)]
+    spec = measured_spec(cluster, compute, {})
+    kinds = {d.kind for d in cluster.devices}
+    shares = {k: spec.device_kinds[k].transfer_cpu_share for k in kinds}
+    assert shares == pytest.approx({cluster.devices[0].kind: 0.3, cluster.devices[2].kind: 0.8})
+    assert spec.device_kinds[cluster.devices[2].kind].transfer_cpu_us_per_message == pytest.approx(800.0)
