@@ -11,7 +11,11 @@
 Each search is seeded with the data-parallel and the Megatron-style programs at the same
 ratios (the same search restricted to those spaces, planner.baselines): the cheaper is the
 incumbent, a point of the search space that prunes by branch and bound and is returned when
-the bounded search finds nothing cheaper. The best (program, ratios) pair evaluated wins. When the LP finds no ratios that fit the
+the bounded search finds nothing cheaper. The search's cost charges each gradient all-reduce
+unoverlapped, so the search's program and the seeds' are then all predicted in full (the
+backward overlapped with the gradient buckets at each one's best cap, planner.step_cost) and
+the fastest goes on to the LP: data parallelism at throughput-proportional rows with a flat
+ring, torch DDP-CP's own shape, is always a candidate. The best (program, ratios) pair evaluated wins. When the LP finds no ratios that fit the
 program in memory, the search is repeated with a memory penalty (seconds per byte, escalated
 x4 per attempt) on replicated parameters and activations, which steers it to sharded
 storage; if no attempt fits, `PlanInfeasible` names the device that is short of memory, by
@@ -94,10 +98,9 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
     best: Candidate | None = None
     for _ in range(max_rounds):
         stats.rounds += 1
-        result = _best_program(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
+        programs = _programs(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
         pb = Problem(graph, cluster, ratios, restrictions)
-        _, terms = choose_buckets(pb, result.instructions)  # as _evaluate predicts, and what the LP sees
-        current = Candidate(tuple(ratios), tuple(result.instructions), predict(pb, terms))
+        current, terms = _best_predicted(pb, programs)
         best = current if current.better_than(best) else best
         if fixed:
             break
@@ -107,7 +110,7 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
             log.info("round %d: no ratios fit this program in memory", stats.rounds)
             break
         stats.lp_s += solution.seconds
-        moved = _evaluate(graph, cluster, pb.devices.expand(solution.ratios), result.instructions, restrictions)
+        moved = _evaluate(graph, cluster, pb.devices.expand(solution.ratios), current.program, restrictions)
         log.info("round %d: program %.2f ms at the ratios searched, %.2f ms at the LP's ratios (%d device "
                  "classes, %.1f s so far)", stats.rounds, current.prediction.step_time_s * 1e3,
                  moved.prediction.step_time_s * 1e3, pb.width, stats.search_s + stats.lp_s)
@@ -139,11 +142,27 @@ def _count(stats: _Stats, result: SearchResult) -> None:
     stats.exact &= result.exact
 
 
-def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
-                  memory_weight: float, width: int, progress: bool, stats: _Stats,
-                  restrictions: Restrictions | None) -> SearchResult:
-    """A* with the seeds' best cost as incumbent; the search's program if cheaper, else the
-    seed. A restricted search (forced layouts, for tests) has no seeds."""
+def _best_predicted(pb: Problem, programs: Sequence[Sequence[Instruction]]) -> tuple[Candidate, list]:
+    """The program with the fastest step as predicted with its gradient sync overlapped and at
+    its best bucket cap (what _evaluate predicts, and what the LP then sees), with its terms.
+    The search's own cost charges each gradient all-reduce unoverlapped, so a seed it beat
+    (data parallelism: torch DDP's shape) may still be the faster step."""
+    best: tuple[Candidate, list] | None = None
+    for program in programs:
+        _, terms = choose_buckets(pb, program)
+        candidate = Candidate(pb.ratios, tuple(program), predict(pb, terms))
+        if best is None or candidate.better_than(best[0]):
+            best = (candidate, terms)
+    assert best is not None
+    return best
+
+
+def _programs(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
+              memory_weight: float, width: int, progress: bool, stats: _Stats,
+              restrictions: Restrictions | None) -> list[tuple[Instruction, ...]]:
+    """A* with the seeds' (data parallelism, Megatron) best cost as incumbent: the search's
+    program if it found a cheaper one, and the seeds' programs, all at these ratios. A
+    restricted search (baselines, forced layouts for tests) has no seeds."""
     pb = Problem(graph, cluster, ratios, restrictions, memory_weight=memory_weight)
     if progress:
         log.info("round %d: searching %d ops on %d devices in %d classes of interchangeable devices",
@@ -151,13 +170,12 @@ def _best_program(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[flo
     if restrictions is not None:
         found = synthesize(pb, width=width, progress=progress)
         _count(stats, found)
-        return found
+        return [found.instructions]
     seeds = _seeds(graph, cluster, ratios, memory_weight, width, stats)
-    best_seed = min(seeds, key=lambda r: r.cost_s)
-    found = synthesize(pb, width=width, progress=progress, incumbent=best_seed.cost_s)
+    found = synthesize(pb, width=width, progress=progress, incumbent=min(r.cost_s for r in seeds))
     if found is not None:
         _count(stats, found)
-    return found if found is not None else best_seed
+    return ([found.instructions] if found is not None else []) + [r.instructions for r in seeds]
 
 
 def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
