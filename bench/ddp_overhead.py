@@ -10,7 +10,9 @@ each round's timed steps). Environments:
   local     two plain processes on this machine (one node, loopback, no quotas, one torch
             thread each)
   emulated  an equal-quota copy of configs/clusters/local-emulated.toml: two emulated nodes of
-            two workers at 0.25 CPU each (cgroup quotas), 200 Mbit/s between the nodes
+            two workers at 0.25 CPU each (cgroup quotas), 200 Mbit/s between the nodes; the
+            quarter-CPU kind's measured cost of transfers in flight comes from
+            bench/results/local-emulated-measured.toml (`hetsynth profile`) when it is there
 
 hetsynth's plan is the data-parallel program (planner.baselines.DP) at even ratios, exactly
 what `hetsynth plan --data-parallel` makes for equal devices, with the bucket cap the cost
@@ -37,6 +39,7 @@ from common import ROOT, print_tables, write_json
 sys.path.insert(0, str(ROOT))
 
 EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
+MEASURED = ROOT / "bench" / "results" / "local-emulated-measured.toml"  # bench/measured_speedup.py's profile
 
 LOCAL_SPEC = """name = "local-equal"
 description = "two plain processes on this machine"
@@ -55,9 +58,10 @@ inter_node_latency_us = 50
 """
 
 
-def equal_quota_copy(source: Path) -> str:
+def equal_quota_copy(source: Path, measured: Path | None = None) -> str:
     """The spec at `source` with every worker of the slowest quota's kind: equal ranks on the
-    same nodes and links (TOML)."""
+    same nodes and links (TOML); with `measured` (the profiled spec of the same cluster), that
+    kind's measured cost of transfers in flight (transfer_cpu_*), which the bucket choice uses."""
     import tomllib
 
     from instruction_set.cluster import cluster_from_dict, dump_cluster_toml
@@ -67,6 +71,9 @@ def equal_quota_copy(source: Path) -> str:
     slow = min(quotas, key=quotas.get)
     raw["name"], raw["description"] = f"{raw['name']}-equal", f"every worker at {quotas[slow]} CPU"
     raw["device_kinds"] = {slow: raw["device_kinds"][slow]}
+    if measured is not None and measured.exists():
+        kind = tomllib.loads(measured.read_text())["device_kinds"][slow]
+        raw["device_kinds"][slow] |= {k: v for k, v in kind.items() if k.startswith("transfer_cpu_")}
     raw["emulation"]["cpu_quota"] = {slow: quotas[slow]}
     for node in raw["nodes"]:
         node["kind"] = slow
@@ -81,7 +88,7 @@ def run_env(env: str, model: str, workdir: Path, rounds: int, steps: int) -> dic
     from runtime.launch import launch_checked
 
     spec_path = workdir / f"{env}.toml"
-    spec_path.write_text(LOCAL_SPEC if env == "local" else equal_quota_copy(EMULATED))
+    spec_path.write_text(LOCAL_SPEC if env == "local" else equal_quota_copy(EMULATED, MEASURED))
     cluster = hetsynth.load_cluster(str(spec_path))
     graph = hetsynth.capture_model(model)
     paths = {}

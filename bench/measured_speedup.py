@@ -45,7 +45,7 @@ def profile(force: bool) -> Path:
 
 
 def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, float]]:
-    """name -> (plan file, predicted step seconds) for hetsynth, DP-EV and DP-CP."""
+    """name -> (plan file, predicted step seconds, sync_summary) for hetsynth, DP-EV and DP-CP."""
     import hetsynth
     from planner import baselines
     from planner.planner import make_plan
@@ -63,8 +63,18 @@ def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, f
     for name, plan in made.items():
         path = workdir / f"{name}.json"
         hetsynth.save_plan(plan, path)
-        out[name] = (str(path), plan.predicted.step_time_s)
+        out[name] = (str(path), plan.predicted.step_time_s, sync_summary(plan))
     return out
+
+
+def sync_summary(plan) -> dict:
+    """The gradient buckets the cost model chose, and what it predicted for each candidate."""
+    g = plan.gradient_sync
+    if g is None:
+        return {}
+    return {"buckets": len(g.buckets), "variants": sorted({b.variant for b in g.buckets}),
+            "cap_bytes": g.bucket_cap_bytes, "first_cap_bytes": g.first_bucket_cap_bytes,
+            "chosen_from": g.chosen_from}
 
 
 def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
@@ -89,6 +99,7 @@ def result(times: dict, made: dict) -> dict:
     best = min(BASELINES, key=lambda n: r[f"{n}_s"])
     r |= {"best_baseline": BASELINES[best], "predicted_s": made["hetsynth"][1],
           "predicted_dp_ev_s": made["dp_ev"][1], "predicted_dp_cp_s": made["dp_cp"][1],
+          "gradient_sync": {n: m[2] for n, m in made.items()},
           "wire_bytes_per_step": {n: t["wire_bytes_per_step"] for n, t in times.items()},
           "step_seconds": {n: t["step_seconds"] for n, t in times.items()},
           "phases_by_rank": {n: t["phases_by_rank"] for n, t in times.items()}}

@@ -8,14 +8,15 @@ gradient bucket crosses), for each case (k messages of n bytes, CASES):
 
     S  = seconds of k all-reduces of n bytes, issued back to back and waited (the slowest
          rank's time)
-    C  = seconds of a block of matmuls (a zoo-sized shape) sized to last about 2 S + 0.1 s,
+    C  = seconds of a block of matmuls (a zoo-sized shape) sized to last about 3 S + 0.2 s,
          so that the transfers end inside it
     C' = seconds of the same block with the k all-reduces launched asynchronously just before
          it (waited after it)
-    lost = median(C') - median(C)                (over REPS repetitions)
+    lost = median over REPS pairs of (C' - C)    (each pair back to back: a CPU quota's
+                                                   throttling is noisy, drift cancels)
 
-then `lost = m k + gamma S` is fitted over the cases by non-negative least squares
-(profiling.profiler.nonnegative_fit), gamma clamped to [0, 1]. On CPU workers gloo's transfer
+and `lost = m k + gamma S` is fitted over the cases of all ranks of a device kind by
+non-negative least squares (profiling.profiler.fit_transfer_cpu), gamma clamped to [0, 1]. On CPU workers gloo's transfer
 threads take their CPU from the compute's own quota, and each message wakes them (under a
 fractional quota a wake-up can cost a throttling period); a GPU whose bytes move by NCCL
 beside the compute loses little of either. Written by us: no library measures this.
@@ -28,15 +29,13 @@ import statistics
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from profiling.measure import device_sync, sustained_seconds
-from profiling.profiler import nonnegative_fit
 
 CASES = ((64 * 2**10, 8), (2**20, 1), (4 * 2**20, 1))  # (bytes, messages): many small, a few large
-REPS = 3
+REPS = 5
 SHAPE = (1024, 1024, 1024)
 
 
@@ -66,7 +65,7 @@ def _lost(nbytes: int, messages: int, group: Any, device: torch.device) -> tuple
     flats = [torch.zeros(nbytes // 4, device=device) for _ in range(messages)]
     transfer = _slowest(statistics.median(
         _timed(lambda: [w.wait() for w in _launch(flats, group)], sync) for _ in range(REPS)), device)
-    calls = math.ceil((2 * transfer + 0.1) / sustained_seconds(lambda: a @ b, 0.05, sync))
+    calls = math.ceil((3 * transfer + 0.2) / sustained_seconds(lambda: a @ b, 0.05, sync))
 
     def block() -> None:
         for _ in range(calls):
@@ -83,18 +82,12 @@ def _lost(nbytes: int, messages: int, group: Any, device: torch.device) -> tuple
             w.wait()
         return elapsed
 
-    alone = statistics.median(_timed(block, sync) for _ in range(REPS))
-    both = statistics.median(with_transfer() for _ in range(REPS))
-    return transfer, both - alone
+    return transfer, statistics.median(with_transfer() - _timed(block, sync) for _ in range(REPS))
 
 
-def transfer_cpu_cost(group: Any, device: torch.device) -> dict[str, float]:
-    """This rank's {"transfer_cpu_share": gamma, "transfer_cpu_us_per_message": m}; every
-    rank of `group` calls it (collective)."""
-    rows = [(messages, *_lost(nbytes, messages, group, device)) for nbytes, messages in CASES]
-    a = np.array([[k, s] for k, s, _ in rows], dtype=float)
-    per_message, share = nonnegative_fit(a, np.array([lost for _, _, lost in rows], dtype=float))
-    return {"transfer_cpu_share": min(1.0, share), "transfer_cpu_us_per_message": per_message * 1e6}
+def transfer_cpu_rows(group: Any, device: torch.device) -> list[tuple[int, float, float]]:
+    """This rank's (k, S, lost) of every case; every rank of `group` calls it (collective)."""
+    return [(messages, *_lost(nbytes, messages, group, device)) for nbytes, messages in CASES]
 
 
-__all__ = ["CASES", "REPS", "transfer_cpu_cost"]
+__all__ = ["CASES", "REPS", "transfer_cpu_rows"]

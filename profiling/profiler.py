@@ -40,7 +40,6 @@ from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
 from runtime.collectives.allreduce import reduce_ring
 from runtime.groups import Groups
 
-TRANSFER_CPU = ("transfer_cpu_share", "transfer_cpu_us_per_message")  # profiling.overlap, when measured
 SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest
 BUDGET_S = 1.5  # seconds of repetitions per measurement, at least one
 
@@ -182,6 +181,14 @@ def fit_weight(nbytes: int) -> float:
 MAX_GBPS = 10_000.0  # a latency-bound fit cannot tell bandwidths beyond this apart
 
 
+def fit_transfer_cpu(rows: Sequence[Sequence[float]]) -> dict[str, float]:
+    """{"transfer_cpu_share": gamma, "transfer_cpu_us_per_message": m} fitted to (k, S, lost)
+    rows, lost = m k + gamma S (profiling.overlap; one device kind's ranks together)."""
+    a = np.array([[k, s] for k, s, _ in rows], dtype=float)
+    per_message, share = nonnegative_fit(a, np.array([lost for _, _, lost in rows], dtype=float))
+    return {"transfer_cpu_share": min(1.0, share), "transfer_cpu_us_per_message": per_message * 1e6}
+
+
 def nonnegative_fit(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """Least squares for two non-negative unknowns (the unconstrained solution, or the best
     with one of them at 0)."""
@@ -223,6 +230,7 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
         kinds[kind] = spec.model_copy(update={
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
             "kernel_launch_us": mean("kernel_launch_us"), "measured": True,
-            **{key: mean(key) for key in TRANSFER_CPU if all(key in r for r in rows)}})
+            **(fit_transfer_cpu([x for r in rows for x in r["transfer_cpu_rows"]])
+               if all("transfer_cpu_rows" in r for r in rows) else {})})
     return cluster.model_copy(update={"device_kinds": kinds,
                                       "calibration": calibration(records, cluster.rank_nodes())})

@@ -94,12 +94,15 @@ def test_transfer_cpu_share_charges_the_overlapped_compute() -> None:
 
 
 def test_measured_spec_records_the_transfer_cpu_share() -> None:
-    """The profiler writes each kind's mean gamma over its ranks (profiling.profiler)."""
+    """The profiler fits each kind's gamma and cost per message to its ranks' measurements
+    together (profiling.profiler.fit_transfer_cpu)."""
     cluster = load_cluster(CLUSTER)
+    def rows(gamma: float, per_message_s: float) -> list[tuple[int, float, float]]:
+        return [(k, s, per_message_s * k + gamma * s) for k, s in ((8, 0.02), (1, 0.1), (1, 0.4))]
+
     compute = [{"throughput_flops": 1e9, "memory_bandwidth_gbyte_s": 1.0, "kernel_launch_us": 10.0,
-                "transfer_cpu_share": g, "transfer_cpu_us_per_message": 1e3 * g} for g in (0.2, 0.4, 0.9, 0.7)]
+                "transfer_cpu_rows": rows(g, m)} for g, m in ((0.3, 1e-3), (0.3, 1e-3), (0.8, 0.0), (0.8, 0.0))]
     spec = measured_spec(cluster, compute, {})
-    kinds = {d.kind for d in cluster.devices}
-    shares = {k: spec.device_kinds[k].transfer_cpu_share for k in kinds}
-    assert shares == pytest.approx({cluster.devices[0].kind: 0.3, cluster.devices[2].kind: 0.8})
-    assert spec.device_kinds[cluster.devices[2].kind].transfer_cpu_us_per_message == pytest.approx(800.0)
+    fast, slow = (spec.device_kinds[cluster.devices[i].kind] for i in (0, 2))
+    assert (fast.transfer_cpu_share, fast.transfer_cpu_us_per_message) == pytest.approx((0.3, 1000.0))
+    assert (slow.transfer_cpu_share, slow.transfer_cpu_us_per_message) == pytest.approx((0.8, 0.0), abs=1e-9)
