@@ -1,10 +1,10 @@
 """Structural signatures of graph nodes, so repeated layers share search transitions.
 
 Two nodes with equal signatures (same op, arguments, shapes and FLOPs; inputs of the same
-kind, metadata, dim-class units, batch dims and liveness) have the same rules, costs and
-storage options, so their transitions differ only in tensor names. A transition is stored
-with the node's distinct input tensors replaced by `#0`, `#1`, ... and its output by `#out`,
-and renamed back for the node at hand.
+kind, metadata, dim-class units, batch dims, liveness and forced layout) have the same rules,
+costs and storage options, so their transitions differ only in tensor names. A transition is
+stored with the node's distinct input tensors replaced by `#0`, `#1`, ... and its output by
+`#out`, and renamed back for the node at hand.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Signatures:
             dims.append((cls.root_size, cls.unit, pb.classes.class_id(tensor, d) in pb.batch_classes))
         single_use = node.op == "param" and pb.graph.consumers.get(tensor) == (pb.order[k].name,)
         return (node.op, meta.shape, meta.dtype, meta.requires_grad, node.multi_output,
-                tensor in self.dead_after[k], single_use, tuple(dims))
+                tensor in self.dead_after[k], single_use, tuple(dims), pb.restrictions.force.get(tensor))
 
     def _signature(self, k: int) -> tuple:
         node = self.pb.order[k]

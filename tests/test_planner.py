@@ -17,7 +17,7 @@ from instruction_set.layouts import R, Layout
 from instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
 from planner import baselines
 from planner.planner import PlanInfeasible, search_plan
-from planner.problem import Problem
+from planner.problem import Problem, Restrictions
 from planner.synthesis import synthesize
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
@@ -186,3 +186,23 @@ def test_data_parallel_space_picks_sfb_where_it_pays() -> None:
     assert all(i.layout is R for i in vgg.instructions if i.kind == "param")
     gpt = hetsynth.plan("gpt:small-cpu", cluster=cluster, data_parallel=True)
     assert not any(i.kind == "sfb" for i in gpt.instructions)
+
+
+@pytest.mark.parametrize("layout", ["R", "P"])
+def test_forced_layout_in_a_repeated_layer_is_kept(layout: str) -> None:
+    """Repeated layers share their search moves; a layer with a forced layout must not take
+    the moves of its unforced twin: the last block's first linear is made in the forced
+    layout (the free search makes it in another), at a cost no lower than the free one."""
+    graph = hetsynth.capture_model("gpt:tiny")
+    cluster = load_cluster(CLUSTERS / "a100-t4.toml")
+    ratios = baselines.proportional(cluster)
+    last = [n.name for n in graph.calls if n.target == "aten.linear.default"][-7]  # the last block's first
+
+    def made(restrictions: Restrictions | None) -> tuple[float, dict[str, Layout]]:
+        result = synthesize(Problem(graph, cluster, ratios, restrictions), progress=False)
+        return result.cost_s, {i.node: i.layout for i in result.instructions if i.kind == "compute"}
+
+    (free_cost, free), (forced_cost, forced) = made(None), made(Restrictions(force={last: layout}))
+    assert free[last] != Layout.parse(layout)
+    assert forced[last] == Layout.parse(layout)
+    assert forced_cost >= free_cost * (1 - 1e-12)
