@@ -96,11 +96,15 @@ def canonical_move(move: Move, names: tuple[str, ...]) -> Move:
     return Move(move.rule_index, move.cost, added, instructions)
 
 
+def actual_facts(facts: frozenset[Fact], names: tuple[str, ...]) -> frozenset[Fact]:
+    """Canonical facts renamed back to the node's tensors."""
+    back = _back(names)
+    return frozenset((back.get(t, t), layout) for t, layout in facts)
+
+
 def instantiate(move: Move, names: tuple[str, ...]) -> Move:
     """The canonical move for this node: facts renamed now, instructions when resolved."""
-    back = _back(names)
-    added = frozenset((back.get(t, t), layout) for t, layout in move.added)
-    return Move(move.rule_index, move.cost, added, move.instructions, back)
+    return Move(move.rule_index, move.cost, actual_facts(move.added, names), move.instructions, _back(names))
 
 
-__all__ = ["Emit", "Signatures", "canonical_facts", "canonical_move", "instantiate"]
+__all__ = ["Emit", "Signatures", "actual_facts", "canonical_facts", "canonical_move", "instantiate"]

@@ -63,7 +63,7 @@ Repeated blocks. Transitions depend only on the node and on the facts of its inp
 memoised by a structural signature of the node (op, arguments, shapes, FLOPs, and per input
 its kind, dim classes' units, liveness and batch dims) and the input facts with tensors
 replaced by their argument position, so the layers of a repeated block share one set of
-transitions, renamed on use (planner.signature).
+transitions, renamed for the node when the program is read back (planner.signature).
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ from dataclasses import dataclass
 from instruction_set.layouts import P, R, Layout
 from instruction_set.program import Instruction
 from planner.bounds import ChainBound
+from planner.facts import FactTable
 from planner.problem import Problem
-from planner.signature import Signatures, canonical_facts, canonical_move, instantiate
+from planner.signature import Signatures, actual_facts, canonical_facts, canonical_move, instantiate
 from planner.transitions import Fact, Move, moves
 
 log = logging.getLogger(__name__)
@@ -110,79 +111,6 @@ def compute_suffix(pb: Problem) -> list[float]:
     for k in range(len(mins) - 1, -1, -1):
         c[k] = c[k + 1] + mins[k]
     return c
-
-
-class _Facts:
-    """Integer ids of layout facts, with each id's tensor, and tensors dying at each node."""
-
-    def __init__(self, pb: Problem) -> None:
-        self.pb = pb
-        self.id: dict[Fact, int] = {}
-        self.facts: list[Fact] = []
-        self.tensor: list[str] = []
-        self.free: list[bool] = []        # (t, L) follows from (t, R) at no cost (a local slice)
-        self.free_ids: set[int] = set()   # the ids i with free[i]
-        self.r_id: dict[str, int] = {}    # tensor -> id of its R fact
-        self.ids_of: dict[str, list[int]] = {}  # tensor -> ids of its facts
-        dead: list[list[str]] = [[] for _ in pb.order]
-        for tensor, k in pb.last_use.items():
-            if k < len(pb.order):
-                dead[k].append(tensor)
-        for k, node in enumerate(pb.order):
-            if node.name not in pb.last_use:
-                dead[k].append(node.name)  # computed but never read
-        self.dead_after = [tuple(d) for d in dead]
-        self.dead_sets = [frozenset(d) for d in dead]
-
-    def encode(self, facts: frozenset[Fact]) -> frozenset[int]:
-        out = []
-        for f in facts:
-            i = self.id.get(f)
-            if i is None:
-                i = self.id[f] = len(self.facts)
-                self.facts.append(f)
-                self.tensor.append(f[0])
-                self.free.append(f[1] != R and self._free_from_r(*f))
-                self.ids_of.setdefault(f[0], []).append(i)
-                if self.free[i]:
-                    self.free_ids.add(i)
-                if f[1] == R:
-                    self.r_id[f[0]] = i
-            out.append(i)
-        return frozenset(out)
-
-    def _free_from_r(self, tensor: str, layout: Layout) -> bool:
-        steps = self.pb.conversion(tensor, R, layout)
-        return steps is not None and all(s.cost_s == 0.0 for s in steps)
-
-    def prune(self, ids: frozenset[int]) -> frozenset[int]:
-        """Without the facts that follow at no cost from an R fact also held: a consumer
-        re-derives them for free, so states that differ only in them are one state."""
-        free = self.free_ids.intersection(ids)
-        if not free:
-            return ids
-        implied = [i for i in free if self.r_id.get(self.tensor[i]) in ids]
-        return ids.difference(implied) if implied else ids
-
-    def decode(self, ids: frozenset[int]) -> frozenset[Fact]:
-        return frozenset(self.facts[i] for i in ids)
-
-    def _ids(self, tensors: frozenset[str]) -> list[int]:
-        return [i for t in tensors for i in self.ids_of.get(t, ())]
-
-    def restrict(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
-        """The facts about these tensors (scanning the smaller side)."""
-        if len(tensors) >= len(ids):
-            return frozenset(i for i in ids if self.tensor[i] in tensors)
-        return ids.intersection(self._ids(tensors))
-
-    def drop(self, ids: frozenset[int], tensors: frozenset[str]) -> frozenset[int]:
-        """The facts about other tensors (scanning the smaller side)."""
-        if not tensors:
-            return ids
-        if len(tensors) >= len(ids):
-            return frozenset(i for i in ids if self.tensor[i] not in tensors)
-        return ids.difference(self._ids(tensors))
 
 
 class _Pending:
@@ -261,13 +189,13 @@ class _Search:
         self.pb, self.width, self.incumbent = pb, width, incumbent
         self.n = len(pb.order)
         self.C = compute_suffix(pb)
-        self.F = _Facts(pb)
+        self.F = FactTable(pb)
         self.pending = _Pending(pb)
         self.chains = ChainBound(pb)
         self.memo: dict[tuple[int, frozenset[int]], list[tuple[Move, frozenset[int]]]] = {}
-        self.inputs_of = [frozenset(node.inputs) for node in pb.order]
         self.signatures = Signatures(pb, self.F.dead_after)
         self.shared: dict[tuple, list[Move]] = {}
+        self.added_ids: dict[tuple[int, frozenset[Fact]], frozenset[int]] = {}
         self.report = _Progress(progress, self.n)
         self.expanded_at: dict[tuple[int, frozenset[int]], int] = {}
         self.depth_total = [0] * (self.n + 1)
@@ -305,19 +233,29 @@ class _Search:
         return g + h
 
     def successors(self, k: int, mask: frozenset[int]) -> list[tuple[Move, frozenset[int]]]:
-        key = (k, self.F.restrict(mask, self.inputs_of[k]))
+        """Canonical moves at node k (renamed for it only on the way back, synthesize) and
+        the ids of the facts each adds about tensors still live after k."""
+        key = (k, self.F.inputs(mask, k))
         if key not in self.memo:
-            self.memo[key] = [(m, self.F.encode(m.added)) for m in self._moves(k, self.F.decode(key[1]))]
+            self.memo[key] = [(m, self._added_ids(k, m.added)) for m in self._moves(k, self.F.decode(key[1]))]
         return self.memo[key]
 
+    def _added_ids(self, k: int, added: frozenset[Fact]) -> frozenset[int]:
+        key = (k, added)
+        ids = self.added_ids.get(key)
+        if ids is None:
+            ids = self.F.encode(actual_facts(added, self.signatures.names(k)))
+            ids = self.added_ids[key] = self.F.live_added(ids, k)
+        return ids
+
     def _moves(self, k: int, facts: frozenset[Fact]) -> list[Move]:
-        """moves() through the structural memo shared by repeated layers."""
+        """moves() through the structural memo shared by repeated layers, canonical."""
         names = self.signatures.names(k)
         key = (self.signatures.of(k), canonical_facts(facts, names))
         if key not in self.shared:
             dead = frozenset(self.F.dead_after[k])
             self.shared[key] = [canonical_move(m, names) for m in moves(self.pb, k, facts, dead)]
-        return [instantiate(m, names) for m in self.shared[key]]
+        return self.shared[key]
 
     def _long_lived(self) -> list[frozenset[str]]:
         """Per depth k: tensors live at k whose next read is more than HORIZON nodes away,
@@ -335,7 +273,7 @@ class _Search:
         return [frozenset(ts) for ts in out]
 
     def stratum(self, k: int, mask: frozenset[int]) -> frozenset[int]:
-        return self.F.restrict(mask, self.long_lived[k])
+        return self.F.restrict(mask, self.long_lived[k]) if self.long_lived[k] else frozenset()
 
     def run(self) -> tuple[int, dict, dict]:
         start = (0, frozenset())
@@ -364,8 +302,9 @@ class _Search:
             self.depth_total[k] += 1
             expanded += 1
             self.report.tick(expanded, k, f)
+            live = self.F.live(mask, k)
             for move, bits in self.successors(k, mask):
-                nxt = (k + 1, self.F.prune(self.F.drop(mask | bits, self.F.dead_sets[k])))
+                nxt = (k + 1, self.F.join(live, bits))
                 new = cost + move.cost
                 if new < g.get(nxt, float("inf")) - 1e-15:
                     g[nxt], parent[nxt] = new, (state, move)
@@ -388,6 +327,7 @@ def synthesize(pb: Problem, *, width: int = DEFAULT_WIDTH, progress: bool = True
     state = goal
     while parent[state] is not None:
         prev, move = parent[state]
+        move = instantiate(move, search.signatures.names(prev[0]))
         program[:0] = [e.instruction() for e in move.resolved()]
         state = prev
     loss_layouts = {layout for t, layout in search.F.decode(goal[1]) if t == pb.graph.loss}
