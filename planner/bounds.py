@@ -36,7 +36,7 @@ class ChainBound:
                             for n in pb.order]
         self._out: dict[tuple[str, Layout], float] = {}
         self._suffix: dict[tuple[str, frozenset[Layout]], list[float]] = {}
-        self._options: dict[tuple[str, int], list[tuple[tuple[Layout, ...], float, str, Layout]]] = {}
+        self._options: dict[tuple[str, int], list[tuple[float, tuple[Layout, ...], float, str, Layout]]] = {}
         self._conv: dict[tuple[int, frozenset[Layout], Layout], float] = {}  # by structure id
         self._sid: dict[str, int] = {}
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(pb.order) + 1000))
@@ -60,23 +60,33 @@ class ChainBound:
         return self._out[key]
 
     def _via(self, tensor: str, held: frozenset[Layout], j: int) -> float:
-        """min over consumer j's rules of conversion + extra compute + the output's bound."""
+        """min over consumer j's rules of conversion + extra compute + the output's bound.
+        Rules come in increasing order of extra + out, a lower bound of their term (a
+        conversion costs >= 0 and rounding is monotone), so the first rule whose lower bound
+        reaches the best term so far ends the scan with the same minimum."""
         best = INF
-        for wants, extra, node, output in self._rule_options(tensor, j):
+        for low, wants, extra, node, output in self._rule_options(tensor, j):
+            if low >= best:
+                break
             conv = max((self._conversion(tensor, held, w) for w in wants if w not in held), default=0.0)
             if conv != INF:
                 best = min(best, conv + extra + self.out(node, output))
         return best
 
-    def _rule_options(self, tensor: str, j: int) -> list[tuple[tuple[Layout, ...], float, str, Layout]]:
-        """Per rule of consumer j: the layouts it wants `tensor` in, its extra compute and output."""
+    def _rule_options(self, tensor: str, j: int) -> list[tuple[float, tuple[Layout, ...], float, str, Layout]]:
+        """Per rule of consumer j: extra + out (a lower bound), the layouts it wants `tensor`
+        in, its extra compute and output; in increasing order of the lower bound."""
         key = (tensor, j)
         if key not in self._options:
             pb, node = self.pb, self.pb.order[j]
-            self._options[key] = [
-                (tuple(w for t, w in zip(node.inputs, rule.inputs) if t == tensor),
-                 pb.compute_s(node, ri) - self.min_compute[j], node.name, rule.output)
-                for ri, rule in enumerate(pb.rules[node.name])]
+            options = []
+            for ri, rule in enumerate(pb.rules[node.name]):
+                extra = pb.compute_s(node, ri) - self.min_compute[j]
+                options.append((extra + self.out(node.name, rule.output), ri,
+                                tuple(w for t, w in zip(node.inputs, rule.inputs) if t == tensor),
+                                extra, node.name, rule.output))
+            options.sort(key=lambda o: o[:2])
+            self._options[key] = [(o[0], *o[2:]) for o in options]
         return self._options[key]
 
     def _conversion(self, tensor: str, held: frozenset[Layout], want: Layout) -> float:
