@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from cost_models.memory import GIB
@@ -40,6 +40,7 @@ from instruction_set.layouts import P, R, Layout
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.plan_checks import ShardTable
 from instruction_set.program import COLLECTIVES, Instruction
+from instruction_set.sync import GradientSync
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_training_state_fits
@@ -62,6 +63,8 @@ class Candidate:
     ratios: tuple[float, ...]
     program: tuple[Instruction, ...]
     prediction: Prediction
+    sync: GradientSync = field(compare=False)  # the gradient buckets the prediction assumes
+    problem: Problem = field(compare=False)    # at these ratios, unpenalised
 
     def better_than(self, other: "Candidate | None") -> bool:
         if other is None:
@@ -89,7 +92,8 @@ class _Stats:
 def _evaluate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float],
               program: Sequence[Instruction], restrictions: Restrictions | None = None) -> Candidate:
     pb = Problem(graph, cluster, ratios, restrictions)
-    return Candidate(tuple(ratios), tuple(program), predict_program(pb, program)[0])
+    prediction, sync = predict_program(pb, program)
+    return Candidate(tuple(ratios), tuple(program), prediction, sync, pb)
 
 
 def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
@@ -149,8 +153,8 @@ def _best_predicted(pb: Problem, programs: Sequence[Sequence[Instruction]]) -> t
     (data parallelism: torch DDP's shape) may still be the faster step."""
     best: tuple[Candidate, list] | None = None
     for program in programs:
-        _, terms = choose_buckets(pb, program)
-        candidate = Candidate(pb.ratios, tuple(program), predict(pb, terms))
+        sync, terms = choose_buckets(pb, program)
+        candidate = Candidate(pb.ratios, tuple(program), predict(pb, terms), sync, pb)
         if best is None or candidate.better_than(best[0]):
             best = (candidate, terms)
     assert best is not None
@@ -286,8 +290,9 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
     if with_baselines:
         log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,
                  best.prediction.step_time_s * 1e3)
-    pb = Problem(graph, cluster, best.ratios, restrictions)
-    prediction, sync = predict_program(pb, best.program, bucket_cap)
+    pb = best.problem
+    prediction, sync = (best.prediction, best.sync) if bucket_cap is None else predict_program(pb, best.program,
+                                                                                                 bucket_cap)
     return Plan(
         model=model_info(graph), cluster=cluster, mesh=pb.mesh,
         graph=graph, sharding_ratios=best.ratios,
