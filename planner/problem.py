@@ -23,6 +23,7 @@ Costs are seconds per training step (forward and backward).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -40,6 +41,20 @@ from instruction_set.kinds import kind as instruction_kind
 from instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
 from instruction_set.rules import Rule, product_rule, rules_for
 from instruction_set.shards import DimClasses, ShardLengths
+
+
+# Per live reference graph (by id; graphs are not hashable): its one-level rules and their
+# two-level products, which depend on the graph alone, shared by the Problems of one planning
+# run (seeds, memory attempts, alternation rounds). An entry goes with its graph.
+_PER_GRAPH: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _graph_memo(graph: ReferenceGraph) -> dict:
+    entry = _PER_GRAPH.get(id(graph))
+    if entry is None or entry[0]() is not graph:
+        key = id(graph)
+        entry = _PER_GRAPH[key] = (weakref.ref(graph, lambda _: _PER_GRAPH.pop(key, None)), {})
+    return entry[1]
 
 
 class StorageClass(StrEnum):
@@ -127,7 +142,9 @@ class Problem:
         self.memory_weight = memory_weight  # seconds per byte on the most loaded device
         self.order: list[Node] = graph.calls
         self.index = {n.name: k for k, n in enumerate(self.order)}
-        base = {n.name: rules_for(n, self.in_metas(n)) for n in self.order}
+        self._shared = _graph_memo(graph)  # what depends on the graph alone
+        base = self._shared.get("base") or self._shared.setdefault(
+            "base", {n.name: rules_for(n, self.in_metas(n)) for n in self.order})
         self.classes = DimClasses(self._sizes(), [l for n in self.order for l in rule_links(n, base[n.name])])
         self.mesh = comm_mesh(cluster, self.restrictions.two_level)
         self.lengths = ShardLengths(self.classes, self.ratios, self.mesh)
@@ -200,12 +217,19 @@ class Problem:
     def _rules(self, node: Node, base: list[Rule]) -> list[Rule]:
         rules = list(base)
         if self.mesh.two_level:
-            outer = [r for r in base if self._batch_only(node, r)]
-            rules += [p for ro in outer for ri in base if ro is not ri
-                      for p in [product_rule(ro, ri)] if p is not None]
+            rules += self._products(node, base)
         forced = self.restrictions.force.get(node.name)
         return [r for r in rules if all(self.allowed(t, l) for t, l in rule_entries(node, r))
                 and (forced is None or r.output == forced)]
+
+    def _products(self, node: Node, base: list[Rule]) -> list[Rule]:
+        """The two-level products of a node's rules (the same for every Problem of the graph)."""
+        memo = self._shared.setdefault("products", {})
+        if node.name not in memo:
+            outer = [r for r in base if self._batch_only(node, r)]
+            memo[node.name] = [p for ro in outer for ri in base if ro is not ri
+                               for p in [product_rule(ro, ri)] if p is not None]
+        return memo[node.name]
 
     # -- shares and costs -----------------------------------------------------------------
     def shares(self, tensor: str, layout: Layout) -> tuple[float, ...]:
