@@ -83,17 +83,24 @@ class FactTable:
         """`live` of the facts a move at node k adds (fixed per move, so memoised by the caller)."""
         return frozenset(i for i in added if self.dies_at.get(self.tensor[i]) != k)
 
-    def join(self, live: frozenset[int], added: frozenset[int]) -> frozenset[int]:
-        """prune(live | added) for pruned `live` and `added` = live_added(...) (see the module
-        docstring): the successor's facts."""
+    def checks(self, added: frozenset[int]) -> tuple[tuple[int, str, bool], ...]:
+        """(id, tensor, free) of the facts in `added` that may form a pair to prune: the free
+        ones and the R ones (fixed per fact, so kept by the caller with `added`)."""
+        return tuple((i, self.tensor[i], self.free[i]) for i in added
+                     if self.free[i] or self.facts[i][1] == R)
+
+    def join(self, live: frozenset[int], added: frozenset[int], checks: tuple) -> frozenset[int]:
+        """prune(live | added) for pruned `live` and `added` = live_added(...) with its
+        `checks` (see the module docstring): the successor's facts."""
         out = live | added
-        implied = []
-        for i in added:
-            t = self.tensor[i]
-            if self.free[i]:
-                if self.r_id.get(t) in out:
+        if not checks:
+            return out
+        implied, r_id = [], self.r_id
+        for i, t, free in checks:
+            if free:
+                if r_id.get(t) in out:
                     implied.append(i)
-            elif self.r_id.get(t) == i:
+            else:
                 implied += [j for j in self.free_of.get(t, ()) if j in out]
         return out.difference(implied) if implied else out
 

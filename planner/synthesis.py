@@ -85,6 +85,8 @@ from planner.transitions import Fact, Move, moves
 
 log = logging.getLogger(__name__)
 
+INF = float("inf")
+
 DEFAULT_WIDTH = 32
 HORIZON = 40  # nodes; facts of tensors read again later than this define a state's stratum
 MAX_STRATUM_READS = 3  # ... unless more nodes than this read the tensor (a per-layer input)
@@ -195,7 +197,7 @@ class _Search:
         self.memo: dict[tuple[int, frozenset[int]], list[tuple[Move, frozenset[int]]]] = {}
         self.signatures = Signatures(pb, self.F.dead_after)
         self.shared: dict[tuple, list[Move]] = {}
-        self.added_ids: dict[tuple[int, frozenset[Fact]], frozenset[int]] = {}
+        self.added_ids: dict[tuple[int, frozenset[Fact]], tuple[frozenset[int], tuple]] = {}
         self.report = _Progress(progress, self.n)
         self.expanded_at: dict[tuple[int, frozenset[int]], int] = {}
         self.depth_total = [0] * (self.n + 1)
@@ -232,20 +234,21 @@ class _Search:
             h = self.h_memo[key] = self.h(k, mask)
         return g + h
 
-    def successors(self, k: int, mask: frozenset[int]) -> list[tuple[Move, frozenset[int]]]:
-        """Canonical moves at node k (renamed for it only on the way back, synthesize) and
-        the ids of the facts each adds about tensors still live after k."""
+    def successors(self, k: int, mask: frozenset[int]) -> list[tuple[Move, tuple[frozenset[int], tuple]]]:
+        """Canonical moves at node k (renamed for it only on the way back, synthesize), the
+        ids of the facts each adds about tensors still live after k, and their checks
+        (FactTable.checks)."""
         key = (k, self.F.inputs(mask, k))
         if key not in self.memo:
             self.memo[key] = [(m, self._added_ids(k, m.added)) for m in self._moves(k, self.F.decode(key[1]))]
         return self.memo[key]
 
-    def _added_ids(self, k: int, added: frozenset[Fact]) -> frozenset[int]:
+    def _added_ids(self, k: int, added: frozenset[Fact]) -> tuple[frozenset[int], tuple]:
         key = (k, added)
         ids = self.added_ids.get(key)
         if ids is None:
-            ids = self.F.encode(actual_facts(added, self.signatures.names(k)))
-            ids = self.added_ids[key] = self.F.live_added(ids, k)
+            live = self.F.live_added(self.F.encode(actual_facts(added, self.signatures.names(k))), k)
+            ids = self.added_ids[key] = (live, self.F.checks(live))
         return ids
 
     def _moves(self, k: int, facts: frozenset[Fact]) -> list[Move]:
@@ -302,13 +305,13 @@ class _Search:
             self.depth_total[k] += 1
             expanded += 1
             self.report.tick(expanded, k, f)
-            live = self.F.live(mask, k)
-            for move, bits in self.successors(k, mask):
-                nxt = (k + 1, self.F.join(live, bits))
+            live, below, join, known = self.F.live(mask, k), self.C[k + 1], self.F.join, g.get
+            for move, (bits, checks) in self.successors(k, mask):
+                nxt = (k + 1, join(live, bits, checks))
                 new = cost + move.cost
-                if new < g.get(nxt, float("inf")) - 1e-15:
+                if new < known(nxt, INF) - 1e-15:
                     g[nxt], parent[nxt] = new, (state, move)
-                    heapq.heappush(heap, (new + self.C[k + 1], next(counter), nxt, new, False))
+                    heapq.heappush(heap, (new + below, next(counter), nxt, new, False))
         if self.incumbent < float("inf"):
             return None, g, parent
         raise SearchError("no distributed program found: some op has no applicable rule")
