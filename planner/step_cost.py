@@ -161,12 +161,13 @@ def backward_overlap(backward: Sequence[Form | None], ready: Sequence[int], sync
 
 
 def program_terms(pb: Problem, program: Sequence[Instruction],
-                  buckets: Sequence[GradBucket] | None = None) -> list[Term]:
+                  buckets: Sequence[GradBucket] | None = None,
+                  split: tuple[list[Term], list[Form | None], list[Term]] | None = None) -> list[Term]:
     """The step's terms: forward halves, the overlapped backward, updates, scalars (buckets:
-    assigned at the default cap when not given)."""
+    assigned at the default cap when not given; `split`: _split(pb, program) if known)."""
     if buckets is None:
         buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES)
-    forward, backward, post = _split(pb, program)
+    forward, backward, post = split or _split(pb, program)
     ready = ready_indices(program, buckets)
     sync, cpu = [bucket_sync(pb, b) for b in buckets], TransferCpu.of(pb)
     lost = [cpu.loss(s, SYNC_MESSAGES[b.variant]) for s, b in zip(sync, buckets)]
@@ -201,12 +202,12 @@ def param_shards(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[
 def choose_buckets(pb: Problem, program: Sequence[Instruction],
                    forced_cap: int | None = None) -> tuple[GradientSync, list[Term]]:
     """The bucket cap the model predicts fastest (or `forced_cap`), its buckets and terms."""
-    shards = param_shards(pb, program)
+    shards, split = param_shards(pb, program), _split(pb, program)  # both independent of the cap
     tried: dict[tuple[int, int | None], tuple[tuple[GradBucket, ...], list[Term], float]] = {}
     caps = [(forced_cap, None)] if forced_cap else [(c, None) for c in (*CAPS_BYTES, ONE_BUCKET)] + [DDP_SHAPE]
     for cap, first in caps:
         buckets = assign_buckets(pb.graph, program, shards, cap, first)
-        terms = program_terms(pb, program, buckets)
+        terms = program_terms(pb, program, buckets, split)
         tried[cap, first] = (buckets, terms, sum(seconds(t.time) for t in terms))
     best = min(tried, key=lambda c: (round(tried[c][2], 9), -c[0], -(c[1] or c[0])))
     chosen_from = {_cap_label(*c): t[2] for c, t in tried.items()}
