@@ -12,7 +12,8 @@ State. `(k, F)`: nodes v_0 .. v_{k-1} are computed and F is the set of layout fa
 loss). HAP keeps every fact ever derived, so no two paths meet and its search time grows
 quadratically with depth; dropping dead tensors makes paths that reach the same frontier
 merge into one state. F is a frozenset of small integer fact ids, so union, filtering and
-hashing cost O(live facts) whatever the depth.
+hashing cost O(live facts) whatever the depth; a successor's facts are joined from the
+parent's with checks on the added facts only (planner.facts).
 
 Transitions. From `(k, F)`, for each rule of v_k: make each input available (free when in F;
 else the first storage of a graph input, or the cheapest conversion, planner.transitions),
@@ -59,11 +60,12 @@ Incumbent. The caller may pass the cost of a known program (the data-parallel pr
 point of the same space); states with f >= that cost are pruned (branch and bound, exact
 since h is admissible), and when nothing cheaper is found the search says so.
 
-Repeated blocks. Transitions depend only on the node and on the facts of its inputs. They are
-memoised by a structural signature of the node (op, arguments, shapes, FLOPs, and per input
-its kind, dim classes' units, liveness and batch dims) and the input facts with tensors
-replaced by their argument position, so the layers of a repeated block share one set of
-transitions, renamed for the node when the program is read back (planner.signature).
+Repeated blocks. Transitions depend only on the node and on the facts of its inputs. They
+are memoised by a structural signature of the node (op, arguments, shapes, FLOPs, and per
+input its kind, dim classes' units, liveness, batch dims and forced layout) and the input
+facts with tensors replaced by their argument position, so the layers of a repeated block
+share one set of transitions, renamed for the node when the program is read back
+(planner.signature).
 """
 
 from __future__ import annotations
