@@ -1,24 +1,31 @@
 """Memory per device: parameters with their gradients and Adam state, and saved activations.
 
-    memory_i = sum_params bytes_p * (1 param + 1 grad + 2 Adam moments) * s_p,i
-             + sum_ops  bytes_out(op) * s_op,i        (outputs kept for the backward pass)
-             + sum_sfb  gathered factor bytes          (full x and dy of SFB layers)
+    memory_i = state_i + saved_i
+    state_i  = sum_params bytes_p * (1 param + 1 grad + 2 Adam moments) * s_p,i
+    saved_i  = sum_ops sum_{t saved by op} bytes_t * s_t,i     (tensors kept for the backward pass)
 
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
 al., ZeRO, SC'20, count 16 bytes per parameter for mixed-precision Adam; we keep the model's
-dtype for all four copies). Activations are the outputs of non-view ops through which a
-gradient flows, an upper bound on what autograd saves.
+dtype for all four copies). The saved tensors are autograd's own, probed at capture
+(planner.saved_tensors: each storage once, parameters excluded); a saved input or output
+scales with the layout the op's rule gives it, a buffer of the op's own (a mask, a
+logsumexp) with the rule's share. A graph captured without the probe falls back to the
+outputs of non-view ops through which a gradient flows (an upper bound).
+`MemoryTerm.part` keeps the two sums apart (the plan's prediction reports both;
+runtime.memory_report checks them against a run).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 from cost_models.compute import FREE_OPS
-from instruction_set.graph import Node
+from instruction_set.graph import Node, SavedTensor
+from instruction_set.layouts import Layout
+from instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES
 
-OPTIMIZER_COPIES = 4  # parameter, gradient, Adam exp_avg, Adam exp_avg_sq
+OPTIMIZER_COPIES = STATE_COPIES[PLANNED_OPTIMIZER]  # parameter, gradient, Adam exp_avg, Adam exp_avg_sq
 
 GIB = 2.0**30
 
@@ -29,6 +36,7 @@ class MemoryTerm:
 
     fixed: tuple[float, ...]
     per_share: tuple[float, ...]
+    part: Literal["state", "saved"] = "saved"  # training state, or tensors saved for backward
 
     def per_device(self, shares: Sequence[float]) -> list[float]:
         return [f + p * s for f, p, s in zip(self.fixed, self.per_share, shares)]
@@ -37,10 +45,31 @@ class MemoryTerm:
 def param_memory(nbytes: float, sharded: bool, n: int) -> MemoryTerm:
     total = nbytes * OPTIMIZER_COPIES
     zeros = (0.0,) * n
-    return MemoryTerm(zeros, (total,) * n) if sharded else MemoryTerm((total,) * n, zeros)
+    if sharded:
+        return MemoryTerm(zeros, (total,) * n, "state")
+    return MemoryTerm((total,) * n, zeros, "state")
 
 
-def activation_memory(node: Node, sharded: bool, n: int) -> MemoryTerm:
+def _split(saved: SavedTensor, inputs: Sequence[Layout], output: Layout) -> bool:
+    """Whether a saved tensor is split under the rule (module docstring)."""
+    if saved.source == "input" and saved.index < len(inputs):
+        return inputs[saved.index].is_shard
+    if saved.source == "output":
+        return output.is_shard
+    return any(l.is_shard for l in (output, *inputs))
+
+
+def activation_memory(node: Node, inputs: Sequence[Layout], output: Layout, n: int) -> MemoryTerm:
+    """Bytes node saves for backward under a rule reading `inputs` and making `output`:
+    fixed + per_share * s_i."""
+    if node.saved is None:
+        return _unprobed_memory(node, any(l.is_shard for l in (output, *inputs)), n)
+    fixed = sum(float(t.nbytes) for t in node.saved if not _split(t, inputs, output))
+    split = sum(float(t.nbytes) for t in node.saved if _split(t, inputs, output))
+    return MemoryTerm((fixed,) * n, (split,) * n)
+
+
+def _unprobed_memory(node: Node, sharded: bool, n: int) -> MemoryTerm:
     zeros = (0.0,) * n
     if node.target in FREE_OPS or not any(o.requires_grad for o in node.outputs):
         return MemoryTerm(zeros, zeros)

@@ -121,6 +121,10 @@ def run_args(p: argparse.ArgumentParser) -> None:
                                    "them as one Chrome trace here, and predicted vs measured seconds per "
                                    "instruction beside it (X.instructions.json)")
     p.add_argument("--trace-steps", type=int, default=1, help="steps traced with --trace (after the others)")
+    p.add_argument("--memory-report", action="store_true",
+                   help="measure on every rank the bytes of parameters, gradients and optimizer state it holds "
+                        "and the peak bytes of tensors saved for backward (second step), and print them beside "
+                        "the plan's prediction")
 
 
 def run_run(args: argparse.Namespace) -> int:
@@ -137,7 +141,8 @@ def run_run(args: argparse.Namespace) -> int:
     with raw_trace_dir(args.trace) as raw:
         opts = RunOptions(train=train_config(args), timeout_s=args.timeout,
                           check=args.check, tolerance=args.tolerance, save=args.save, resume=args.resume,
-                          report=args.report, trace_raw=raw, trace_steps=args.trace_steps)
+                          report=args.report, trace_raw=raw, trace_steps=args.trace_steps,
+                          memory_report=args.memory_report)
         preflight(plan, opts)  # output paths and checkpoint, before any planning or training
         if args.devices is not None and args.devices != plan.cluster.num_devices:
             plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None

@@ -54,6 +54,17 @@ class TensorMeta(BaseModel):
         return self.dtype.startswith(("float", "bfloat", "complex"))
 
 
+class SavedTensor(BaseModel):
+    """A tensor an op saves for its backward pass (planner.saved_tensors): one of its inputs or
+    outputs (by index), or a buffer of its own (`internal`: a mask, a softmax's logsumexp)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: Literal["input", "output", "internal"]
+    index: int = 0
+    nbytes: int
+
+
 class Node(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,6 +84,8 @@ class Node(BaseModel):
     value: Any = None  # a constant's elements (nested lists of numbers), for buffer nodes without fqn
     fallback: bool = False
     measured_s: float | None = None  # forward + backward on the reference device (op profile)
+    # what the op saves for backward, each storage counted at its first saver (None: not probed)
+    saved: tuple[SavedTensor, ...] | None = None
 
     @property
     def out(self) -> TensorMeta:
@@ -126,7 +139,8 @@ class ReferenceGraph(BaseModel):
     def fingerprint(self) -> str:
         """Hash of the graph structure (ops, arguments, shapes), independent of the model ref."""
         payload = json.dumps(
-            [n.model_dump(mode="json", exclude={"source", "flops_fwd", "flops_bwd", "measured_s"}) for n in self.nodes],
+            [n.model_dump(mode="json", exclude={"source", "flops_fwd", "flops_bwd", "measured_s", "saved"})
+             for n in self.nodes],
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

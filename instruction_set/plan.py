@@ -59,6 +59,13 @@ class ModelInfo(_Frozen):
     dtype: str
 
 
+# Copies of each trained parameter that training keeps (parameter, gradient, optimizer state),
+# per optimizer the runtime offers; a plan's predicted state (DevicePrediction.state_gib)
+# assumes AdamW (cost_models.memory).
+STATE_COPIES = {"adamw": 4, "sgd": 2}
+PLANNED_OPTIMIZER = "adamw"
+
+
 class DevicePrediction(_Frozen):
     name: str
     kind: str
@@ -67,6 +74,9 @@ class DevicePrediction(_Frozen):
     communication_s: float
     memory_gib: float
     memory_capacity_gib: float
+    state_gib: float | None = Field(default=None, description="of memory_gib: parameters, gradients and "
+                                    "optimizer state (None in plans written before the split was recorded)")
+    saved_gib: float | None = Field(default=None, description="of memory_gib: tensors saved for backward")
 
 
 class Prediction(_Frozen):

@@ -41,6 +41,7 @@ from instruction_set.interpret import RUN_AS
 from instruction_set.models import ModelSpec
 from instruction_set.rules import is_supported
 from planner.lower import Lowered, LoweringError, lower, place
+from planner.saved_tensors import with_saved
 
 META = torch.device("meta")
 
@@ -288,8 +289,8 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_r
         raise UnsupportedOpsError(report)
     fallback = {r.target for r in report}
     nodes = [n.model_copy(update={"fallback": True}) if n.target in fallback else n for n in nodes]
-    return ReferenceGraph(model_ref=model_ref, nodes=tuple(nodes), loss=loss,
-                          fallback_ops=tuple(sorted(fallback)))
+    return with_saved(ReferenceGraph(model_ref=model_ref, nodes=tuple(nodes), loss=loss,
+                                     fallback_ops=tuple(sorted(fallback))))
 
 
 def short_op(target: str) -> str:

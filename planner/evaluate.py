@@ -26,7 +26,7 @@ from instruction_set.kinds import Category, Implementations, Phase
 from instruction_set.layouts import Layout
 from instruction_set.plan import DevicePrediction, Prediction
 from instruction_set.program import COLLECTIVES, Instruction
-from planner.problem import Problem, rule_splits
+from planner.problem import Problem
 from planner.sfb import sfb_cost
 
 
@@ -59,7 +59,7 @@ def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -
     rule = pb.rules[node.name][ri]
     shares = Shares(pb.rule_shares(node, rule), share_kind((rule.output, *rule.inputs)))
     return Term.leaf(pb.compute_linear(node, ri), shares, Category.COMPUTE,
-                     activation_memory(node, rule_splits(rule), pb.width))
+                     activation_memory(node, rule.inputs, rule.output, pb.width))
 
 
 @TERMS.implements("param")
@@ -117,10 +117,11 @@ def step_time(terms: Sequence[Term]) -> float:
     return sum(seconds(t.time) for t in terms)
 
 
-def memory_bytes(n: int, terms: Sequence[Term]) -> list[float]:
+def memory_bytes(n: int, terms: Sequence[Term], part: str | None = None) -> list[float]:
+    """Bytes per device (class) of the terms' memory, of one part (state, saved) or all."""
     total = [0.0] * n
     for t in terms:
-        if t.memory is not None:
+        if t.memory is not None and part in (None, t.memory.part):
             assert t.memory_at is not None, "a term with memory says where it is evaluated"
             for i, b in enumerate(t.memory.per_device(t.memory_at.values)):
                 total[i] += b
@@ -136,11 +137,13 @@ def predict(pb: Problem, terms: Sequence[Term]) -> Prediction:
             compute[i] += c
         comm += exposed(t.time, Category.COMMUNICATION)
     memory = memory_bytes(pb.width, terms)
+    state, saved = memory_bytes(pb.width, terms, "state"), memory_bytes(pb.width, terms, "saved")
     caps = [k.memory_gib for k in pb.kinds]
     of = pb.devices.of_rank
     devices = tuple(
         DevicePrediction(name=d.name, kind=d.kind, ratio=pb.ratios[i], compute_s=compute[of[i]],
-                         communication_s=comm, memory_gib=memory[of[i]] / GIB, memory_capacity_gib=caps[of[i]])
+                         communication_s=comm, memory_gib=memory[of[i]] / GIB, memory_capacity_gib=caps[of[i]],
+                         state_gib=state[of[i]] / GIB, saved_gib=saved[of[i]] / GIB)
         for i, d in enumerate(pb.cluster.devices))
     total = step_time(terms)
     return Prediction(step_time_s=total, compute_s=total - comm, communication_s=comm,

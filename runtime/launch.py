@@ -71,6 +71,7 @@ class RunOptions:
     quiet: bool = False
     trace_raw: str | None = None   # directory for the ranks' raw instruction times (runtime.timing)
     trace_steps: int = 1           # the last N steps are traced
+    memory_report: bool = False    # measure each rank's memory in the second step (runtime.memory_report)
 
     @property
     def steps(self) -> int:
@@ -88,6 +89,9 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
     if opts.trace_raw is not None and not 1 <= opts.trace_steps < opts.steps:
         raise ValueError(f"--trace-steps {opts.trace_steps} with --steps {opts.steps}: trace at least 1 step "
                          f"and leave at least 1 step before them to warm up (--steps > --trace-steps)")
+    if opts.memory_report and opts.steps < 2:
+        raise ValueError(f"--memory-report with --steps {opts.steps}: the second step is measured (the first "
+                         f"creates the optimizer state); give --steps 2 or more")
     check_outputs({"--save": opts.save, "--report": opts.report})
     if opts.resume:
         check_resume(read_checkpoint(opts.resume), opts.resume, plan, opts.train, opts.steps)
@@ -106,6 +110,7 @@ def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str |
     args += ["--save", opts.save] if opts.save else []
     args += ["--resume", opts.resume] if opts.resume else []
     args += ["--trace-raw", opts.trace_raw, "--trace-steps", str(opts.trace_steps)] if opts.trace_raw else []
+    args += ["--memory-report"] if opts.memory_report else []
     return args + (["--quiet"] if opts.quiet else [])
 
 
@@ -348,7 +353,8 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     (workdir / tag).mkdir()
     report = opts.report if opts.report and dtype is None else str(workdir / tag / "report.json")
     params_out = str(workdir / tag / "params.pt")
-    run_opts = opts if dtype is None else dataclasses.replace(opts, save=None, quiet=True)
+    run_opts = opts if dtype is None else dataclasses.replace(opts, save=None, quiet=True,
+                                                              memory_report=False)
     started = time.monotonic()
     rc, failure = launch_in(record, workdir / tag, plan.cluster,
                             worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype),

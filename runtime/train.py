@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ class Trainer:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's, whole
     log: list[StepLog] = field(default_factory=list)
     sync: GradientSync | None = None
+    on_gradients: Callable[[], None] | None = None  # called once the gradients are synchronised
 
 
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -189,6 +190,8 @@ def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) 
     marks.append(("backward", time.perf_counter()))
     buckets = trainer.sync.finish() if trainer.sync is not None else []
     marks.append(("gradient_sync", time.perf_counter()))
+    if trainer.on_gradients is not None:
+        trainer.on_gradients()
     if trainer.config.max_grad_norm is not None:
         clip_global_norm(trainer, trainer.config.max_grad_norm)
     trainer.optimizer.step()

@@ -31,10 +31,11 @@ from instruction_set.plan import load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.config import add_train_arguments, train_config
 from runtime.groups import Groups
+from runtime.memory_report import RankMemory, as_json, format_report, measure_step
 from runtime.outputs import check_outputs
 from runtime.rank import run_rank
 from runtime.timing import StepTracer
-from runtime.train import Trainer, assemble, local_parameters, model_buffers, setup, train_step
+from runtime.train import StepLog, Trainer, assemble, local_parameters, model_buffers, setup, train_step
 
 log = logging.getLogger("runtime.worker")  # not __name__: this module runs as __main__ under torchrun
 
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-raw", help="directory: every rank writes rank<N>.json, the times of every "
                                        "instruction of the traced steps (runtime.timing)")
     p.add_argument("--trace-steps", type=int, default=1, help="the last N steps are traced")
+    p.add_argument("--memory-report", action="store_true",
+                   help="measure the memory of the second step run on every rank (runtime.memory_report)")
     return p.parse_args(argv)
 
 
@@ -72,20 +75,44 @@ def _inject(rank: int, step: int) -> None:
     os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[kind])
 
 
-def _train(trainer: Trainer, args: argparse.Namespace, start: int, tracer: StepTracer | None) -> list[dict]:
+def _step(trainer: Trainer, args: argparse.Namespace, step: int, start: int, tracer: StepTracer | None,
+          memory: list[RankMemory]) -> StepLog:
+    traced = tracer is not None and step >= max(args.steps - args.trace_steps, start + 1)
+    run = (lambda: tracer.step(step)) if traced else (lambda: train_step(trainer, step))
+    if not (args.memory_report and step == start + 1):
+        return run()
+    entries: list[StepLog] = []
+    memory.append(measure_step(trainer, lambda: entries.append(run())))
+    return entries[0]
+
+
+def _train(trainer: Trainer, args: argparse.Namespace, start: int, tracer: StepTracer | None,
+           memory: list[RankMemory]) -> list[dict]:
     rank = trainer.groups.rank
     steps = []
     for step in range(start, args.steps):
         _inject(rank, step)
-        traced = tracer is not None and step >= max(args.steps - args.trace_steps, start + 1)
-        entry = tracer.step(step) if traced else train_step(trainer, step)
+        entry = _step(trainer, args, step, start, tracer, memory)
         steps.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
         if rank == 0 and not args.quiet:
             log.info("step %4d/%d  loss %.6f  %8.1f ms", step + 1, args.steps, entry.loss, entry.seconds * 1e3)
     return steps
 
 
-def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start: int) -> None:
+def _memory_report(trainer: Trainer, args: argparse.Namespace, memory: list[RankMemory]) -> list[dict] | None:
+    """Every rank's figures on rank 0 (printed there), or None without --memory-report."""
+    if not args.memory_report:
+        return None
+    rows: list | None = [None] * dist.get_world_size() if trainer.groups.rank == 0 else None
+    dist.gather_object(memory[0], rows, dst=0, group=trainer.groups.group("all"))
+    if rows is None:
+        return None
+    log.info("%s", format_report(trainer.plan, rows, trainer.config.optimizer))
+    return as_json(rows)
+
+
+def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start: int,
+            memory: list[dict] | None) -> None:
     if args.save:
         step = start + len(steps)  # the steps the checkpoint holds
         save_checkpoint(trainer, args.save, step)
@@ -102,7 +129,7 @@ def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start
             json.dump({"first_step": start, "losses": [e["loss"] for e in steps],
                        "step_seconds": [e["seconds"] for e in steps],
                        "median_step_s": statistics.median(times) if times else None,
-                       "world_size": dist.get_world_size()}, f)
+                       "world_size": dist.get_world_size()} | ({"memory": memory} if memory else {}), f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
         if rank == 0 and args.resume and not args.quiet:
             log.info("resumed from %s (step %d): training steps %d-%d", args.resume, start, start + 1, args.steps)
+        if args.memory_report and args.steps - start < 2:
+            raise ValueError(f"--memory-report measures the second step run, but this run trains steps "
+                             f"{start + 1}-{args.steps}; give --steps {start + 2} or more")
         tracer = StepTracer(trainer) if args.trace_raw else None
-        _finish(trainer, args, _train(trainer, args, start, tracer), start)
+        memory: list[RankMemory] = []
+        steps = _train(trainer, args, start, tracer, memory)
+        _finish(trainer, args, steps, start, _memory_report(trainer, args, memory))
         if tracer is not None:
             Path(args.trace_raw, f"rank{rank}.json").write_text(json.dumps(tracer.record()))
 

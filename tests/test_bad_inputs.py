@@ -190,6 +190,8 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
                                              "2", "--trace", _out(t)], "--trace needs a run on this machine"),
     ("run: --trace is --report", lambda t, p: ["run", _same(t, p), "--steps", "2", "--trace", _out(t),
                                                "--report", _out(t)], "name the same file"),
+    ("run: memory report of 1 step", lambda t, p: ["run", _same(t, p), "--steps", "1", "--memory-report"],
+     "--memory-report with --steps 1"),
 ]
 
 

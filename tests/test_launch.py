@@ -3,6 +3,7 @@ killed mid-run, per-node commands for a multi-node cluster, and the explained pr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,8 +39,9 @@ def workers_alive(plan_path: str) -> list[str]:
 
 
 def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -> None:
-    """Two steps on two devices saved, then resumed to three under the four-device plan with
-    --check: the resumed run matches three steps of single-device training, and each
+    """Two steps on two devices saved (with --memory-report: a row per rank, predicted and
+    measured agree; runtime.memory_report), then resumed to three under the four-device plan
+    with --check: the resumed run matches three steps of single-device training, and each
     checkpoint is labelled with the steps it holds."""
     import torch
 
@@ -47,8 +49,13 @@ def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -
     hetsynth.save_plan(hetsynth.plan("gpt:tiny,dtype=float64", cluster=str(CLUSTERS / "local-emulated.toml"),
                                      ratios=[0.7, 0.3], num_devices=2), two)
     first, second = tmp_path / "ck2.pt", tmp_path / "ck3.pt"
-    out = hetsynth_cli("run", str(two), "--steps", "2", "--save", str(first))
+    report = tmp_path / "report.json"
+    out = hetsynth_cli("run", str(two), "--steps", "2", "--save", str(first), "--memory-report", "--report", str(report))
     assert out.returncode == 0 and f"saved {first} (step 2)" in out.stdout, out.stdout + out.stderr
+    assert "memory per rank" in out.stdout and "saved pred" in out.stdout
+    rows = json.loads(report.read_text())["memory"]
+    assert [r["rank"] for r in rows] == [0, 1] and all(r["saved_peak"] > 0 and r["optimizer"] > 0 for r in rows)
+    assert all(abs(r["state_error"]) <= 0.15 and abs(r["saved_error"]) <= 0.25 for r in rows), rows
     out = hetsynth_cli("run", plan_file, "--steps", "3", "--resume", str(first), "--save", str(second),
                        "--check", "--tolerance", "1e-9")
     assert out.returncode == 0, out.stdout + out.stderr

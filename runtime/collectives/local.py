@@ -14,8 +14,11 @@ import torch
 
 
 def slice_rows(x: torch.Tensor, dim: int, offset: int, length: int) -> torch.Tensor:
-    """narrow() is differentiable: its backward scatters into zeros (the padding above)."""
-    return x.narrow(dim, offset, length)
+    """My rows, as a copy: a view saved for backward by the consumer would pin the whole
+    replicated tensor until the backward (the memory model counts the rows; a copy of the
+    rows costs a pass over them only). Both are differentiable (the backward scatters into
+    zeros, the padding above)."""
+    return x.narrow(dim, offset, length).clone()
 
 
 def partial(x: torch.Tensor, keep: bool) -> torch.Tensor:
