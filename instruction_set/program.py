@@ -50,6 +50,7 @@ class Instruction(BaseModel):
     axis: MeshAxis = MeshAxis.ALL
     predicted_s: float = 0.0
     alternatives: dict[str, float] = Field(default_factory=dict)
+    recompute: str = ""  # the recomputed block this instruction runs in (instruction_set.blocks), if any
 
     def describe(self) -> str:
         category = instruction_kind(self.kind).category

@@ -9,6 +9,8 @@ instructions are emitted in order:
   compute          the op on local shards, via instruction_set.local.emit_local (the code path
                    the single-process rule tests check), or an SFB linear
   collectives      a call to a Conversion module (runtime.conversions)
+  recomputed block the instructions of a unit the plan recomputes, as one checkpointed call
+                   (runtime.recompute)
   buffer update    `copy_(buffer, new)` is not run in the forward: the program returns the
                    new value, and the trainer writes it into the buffer after the backward
                    pass (an in-place write during the forward would invalidate tensors saved
@@ -30,6 +32,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import fx, nn
 
+from instruction_set.blocks import recomputed_units
 from instruction_set.graph import Node
 from instruction_set.interpret import constant
 from instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
@@ -41,6 +44,7 @@ from instruction_set.rules.state import BUFFER_UPDATE
 from instruction_set.shards import MeshLayout
 from runtime.conversions import make_conversion, span
 from runtime.groups import Groups
+from runtime.recompute import emit_unit
 from runtime.sfb import SFBLinearModule
 
 
@@ -177,14 +181,27 @@ class _Emitter:
                 "cannot run this plan: no codegen for instruction kind " + ", ".join(
                     f"{k!r} ({p})" for k, p, _ in missing) + f"; codegen exists for: {EMITTERS.registered()}")
         ends = []
-        for index, ins in enumerate(self.plan.instructions):
+        units = {u.first: u for u in recomputed_units(self.plan.instructions)}
+        index = 0
+        while index < len(self.plan.instructions):
+            if index in units:  # a recomputed block: one checkpointed call (runtime.recompute)
+                unit = units[index]
+                ends.append((unit.last - 1, emit_unit(self, unit, _emit_one).name))
+                index = unit.last
+                continue
+            ins = self.plan.instructions[index]
             before = len(self.graph.nodes)
-            EMITTERS.get(ins.kind, phase=ins.phase)(self, ins)
+            _emit_one(self, ins)
             if len(self.graph.nodes) > before and ins.kind not in ("param", "buffer", "input"):
                 ends.append((index, next(iter(reversed(self.graph.nodes))).name))
+            index += 1
         self.graph.output((self.env[(self.plan.graph.loss, P)], *[v for _, v in self.updates]))
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
         return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates], ends)
+
+
+def _emit_one(emitter: _Emitter, ins: Instruction) -> None:
+    EMITTERS.get(ins.kind, phase=ins.phase)(emitter, ins)
 
 
 def _built_with_its_linear(emitter: _Emitter, ins: Instruction) -> None:
