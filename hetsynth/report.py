@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from instruction_set.blocks import recompute_units, recomputed_units
 from instruction_set.cluster import ClusterSpec
 from instruction_set.layouts import R
 from instruction_set.plan import Plan
@@ -106,6 +107,7 @@ def plan_summary_text(plan: Plan) -> str:
         f"predicted    {p.step_time_s * 1e3:.2f} ms/step (compute {p.compute_s * 1e3:.2f} ms, "
         f"communication {p.communication_s * 1e3:.2f} ms); peak memory {mem:.2f} GiB "
         f"({'fits' if p.fits else 'DOES NOT FIT'}, smallest device {cap:g} GiB)",
+        _memory_line(plan),
         "",
         table([[name, f"{b.step_time_s * 1e3:.2f} ms", f"{b.step_time_s / p.step_time_s:.2f}x",
                 "yes" if b.fits else "no", b.note] for name, b in plan.baselines.items()],
@@ -120,6 +122,17 @@ def plan_summary_text(plan: Plan) -> str:
         f"{'exact' if s.exact else 'width-bounded'}",
     ]
     return "\n".join(lines + _sync_lines(plan))
+
+
+def _memory_line(plan: Plan) -> str:
+    """What the memory holds on the fullest device, and the techniques the plan uses to fit."""
+    d = max(plan.predicted.devices, key=lambda d: d.memory_gib)
+    split = (f"{d.state_gib:.2f} GiB parameters, gradients and optimizer state, {d.saved_gib:.2f} GiB saved "
+             f"for backward" if d.state_gib is not None and d.saved_gib is not None else "no split recorded")
+    units = recomputed_units(plan.instructions)
+    found = len(recompute_units(plan.graph, plan.instructions)) if units else 0
+    used = f"recomputes {len(units)} of {found} blocks ({units[0].name} ...)" if units else "no recomputation"
+    return f"memory       on {d.name}: {split}; {used}"
 
 
 def _sync_lines(plan: Plan) -> list[str]:

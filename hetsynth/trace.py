@@ -152,7 +152,7 @@ def predicted_step(plan: Plan) -> PredictedStep:
     """The plan's step laid out as the cost model sees it; checked against its prediction."""
     from planner.evaluate import first_input_layouts, instruction_term
     from planner.problem import Problem, Restrictions
-    from planner.step_cost import forward_share, is_bucketed, scalar_terms
+    from planner.step_cost import backward_share, forward_share, is_bucketed, scalar_terms
 
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
     expand, x_layouts, times = pb.devices.expand, first_input_layouts(plan.instructions), {}
@@ -168,7 +168,7 @@ def predicted_step(plan: Plan) -> PredictedStep:
     done: dict[int, float] = {}
     for i in range(len(plan.instructions) - 1, -1, -1):
         if i in share and plan.instructions[i].kind != "param":
-            more, t = _place([(times[i], 1.0 - share[i])], t)
+            more, t = _place([(times[i], backward_share(pb, plan.instructions[i]))], t)
             placed += more
         done[i] = t
     buckets = _buckets(plan, pb, done)

@@ -46,6 +46,7 @@ from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_training_state_fits
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+from planner.recompute import fit_by_recompute
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
 
@@ -198,11 +199,41 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
         best = candidate if candidate.better_than(best) else best
         if best.prediction.fits:
             return best, stats
+        recomputed = _recomputed(graph, cluster, candidate, fixed, restrictions, stats)
+        if recomputed is not None:
+            return recomputed, stats
         weight = _next_weight(weight, candidate)
         if attempt + 1 < MEMORY_ATTEMPTS:
             log.info("the best plan needs %.2f GiB more than a device holds; searching again with a "
                      "memory penalty (attempt %d of %d)", _overflow(best), attempt + 2, MEMORY_ATTEMPTS)
     raise PlanInfeasible(_shortfall_message(graph, cluster, best))
+
+
+def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
+                restrictions: Restrictions | None, stats: _Stats) -> Candidate | None:
+    """`candidate`'s program with the fewest blocks recomputed that fits, at the ratio LP's
+    ratios (planner.recompute), or None."""
+    fitting: dict[int, Candidate] = {}  # by id of the program (instructions are not hashable)
+
+    def fits(program: tuple[Instruction, ...]) -> bool:  # at the default buckets: buckets hold no memory
+        pb = Problem(graph, cluster, candidate.ratios, restrictions)
+        ratios = candidate.ratios
+        if not fixed:
+            try:
+                solution = solve_ratios(program_terms(pb, program), [k.memory_gib for k in pb.kinds],
+                                        classes=pb.devices)
+            except MemoryInfeasible:
+                return False
+            stats.lp_s += solution.seconds
+            ratios = pb.devices.expand(solution.ratios)
+            pb = Problem(graph, cluster, ratios, restrictions)
+        found = Candidate(tuple(ratios), program, predict(pb, program_terms(pb, program)))
+        if found.prediction.fits:
+            fitting[id(program)] = found
+        return found.prediction.fits
+
+    program = fit_by_recompute(Problem(graph, cluster, candidate.ratios, restrictions), candidate.program, fits)
+    return None if program is None else fitting[id(program)]
 
 
 def _next_weight(weight: float, candidate: Candidate) -> float:

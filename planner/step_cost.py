@@ -58,6 +58,7 @@ from instruction_set.program import COLLECTIVES, Instruction
 from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, SYNC_MESSAGES, GradBucket, GradientSync, assign_buckets
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.problem import Problem
+from planner.recompute import recompute_memory
 
 CAPS_BYTES = (2**18, 2**20, 4 * 2**20, 25 * 2**20)  # 256 KiB up to torch DDP's 25 MiB cap
 ONE_BUCKET = 2**62
@@ -105,6 +106,12 @@ def forward_share(pb: Problem, ins: Instruction) -> float:
     return 1.0
 
 
+def backward_share(pb: Problem, ins: Instruction) -> float:
+    """The part of an instruction's time spent in the backward pass: all of it again for an
+    instruction of a recomputed block (its forward runs again there; planner.recompute)."""
+    return 1.0 if ins.recompute else 1.0 - forward_share(pb, ins)
+
+
 def bucket_sync(pb: Problem, bucket: GradBucket) -> Form:
     """S_b: the bucket's all-reduce, a constant in the ratios."""
     if pb.comm.group_size(bucket.axis) == 1:
@@ -136,11 +143,12 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         if ins.kind == "param":
             post.append(term)
             continue
-        phi = forward_share(pb, ins)
-        backward[-1] = _scaled(term.time, 1.0 - phi)
-        ahead = _scaled(term.time, phi)
-        if ahead is not None or term.memory is not None:
-            forward.append(Term(ahead if ahead is not None else Series(()), term.memory, term.memory_at))
+        backward[-1] = _scaled(term.time, backward_share(pb, ins))
+        ahead = _scaled(term.time, forward_share(pb, ins))
+        memory = None if ins.recompute else term.memory  # a recomputed block keeps its inputs only
+        if ahead is not None or memory is not None:
+            forward.append(Term(ahead if ahead is not None else Series(()), memory,
+                                term.memory_at if memory is not None else None))
     return forward, backward, post
 
 
@@ -172,7 +180,7 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
     sync, cpu = [bucket_sync(pb, b) for b in buckets], TransferCpu.of(pb)
     lost = [cpu.loss(s, SYNC_MESSAGES[b.variant]) for s, b in zip(sync, buckets)]
     overlap = Term(backward_overlap(backward, ready, sync, lost))
-    return forward + [overlap] + post + scalar_terms(pb, program)
+    return forward + [overlap] + post + scalar_terms(pb, program) + recompute_memory(pb, program)
 
 
 def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket]) -> list[int]:
@@ -229,6 +237,6 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
     return predict(pb, terms), sync
 
 
-__all__ = ["CAPS_BYTES", "DDP_SHAPE", "backward_overlap", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
+__all__ = ["CAPS_BYTES", "DDP_SHAPE", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
            "ready_indices", "scalar_terms",
            "param_shards", "predict_program", "program_terms", "TransferCpu"]

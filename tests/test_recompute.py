@@ -7,6 +7,10 @@ from __future__ import annotations
 import pytest
 
 from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
+from hetsynth.trace import predicted_step
+from planner.planner import make_plan
+from planner.problem import Problem
+from planner.step_cost import predict_program
 from test_parity import _gpt, check, make, tensor_parallel_mlp
 
 
@@ -28,3 +32,31 @@ def test_recomputed_tensor_parallel_blocks(pools) -> None:
     plan = recomputed(_gpt([0.55, 0.45], force_fn=tensor_parallel_mlp))
     assert any(i.recompute and i.kind in ("all_reduce", "reduce_scatter", "all_gather") for i in plan.instructions)
     check(pools, plan)
+
+
+def test_planner_recomputes_when_memory_is_tight(pools) -> None:
+    """A cluster whose memory holds the best plan only with its blocks recomputed: the planner
+    recomputes them, the prediction charges their forward again, and the plan trains as
+    single-device training."""
+    plain = make("gpt:tiny,dtype=float64", [0.7, 0.3])
+    low, high = peak_gib(recomputed(plain)), peak_gib(plain)
+    assert low < high
+    kinds = {k: v.model_copy(update={"memory_gib": (low + high) / 2}) for k, v in plain.cluster.device_kinds.items()}
+    cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
+    plan = make_plan(plain.graph, cluster, ratios=[0.7, 0.3], progress=False, with_baselines=False)
+    assert plan.predicted.fits and recomputed_units(plan.instructions)
+    assert plan.predicted.step_time_s > plain.predicted.step_time_s
+    predicted_step(plan)  # the trace lays the recomputation out as the prediction does (it checks the totals)
+    check(pools, plan)
+
+
+def test_units_are_the_repeated_blocks() -> None:
+    gpt = make("gpt:tiny", [0.5, 0.5])
+    assert [u.name for u in recompute_units(gpt.graph, gpt.instructions)] == ["blocks.0", "blocks.1"]
+    vgg = make("vgg:tiny", [0.5, 0.5])
+    assert recompute_units(vgg.graph, vgg.instructions) == []  # single layers: nothing to gain
+
+
+def peak_gib(plan) -> float:
+    prediction, _ = predict_program(Problem(plan.graph, plan.cluster, plan.sharding_ratios), plan.instructions)
+    return max(d.memory_gib for d in prediction.devices)
