@@ -16,7 +16,8 @@ unoverlapped, so the search's program and the seeds' are then all predicted in f
 backward overlapped with the gradient buckets at each one's best cap, planner.step_cost) and
 the fastest goes on to the LP: data parallelism at throughput-proportional rows with a flat
 ring, torch DDP-CP's own shape, is always a candidate. The best (program, ratios) pair evaluated wins. When the LP finds no ratios that fit the
-program in memory, the search is repeated with a memory penalty (seconds per byte, escalated
+program in memory, the fewest of its blocks are recomputed that make it fit (planner.recompute);
+when even recomputing all does not, the search is repeated with a memory penalty (seconds per byte, escalated
 x4 per attempt) on replicated parameters and activations, which steers it to sharded
 storage; if no attempt fits, `PlanInfeasible` names the device that is short of memory, by
 how many GiB, for the best plan found. A problem whose training state alone exceeds the
