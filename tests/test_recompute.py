@@ -8,7 +8,7 @@ import pytest
 
 from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
 from hetsynth.trace import predicted_step
-from planner.planner import make_plan
+from planner.planner import DP_SEED, make_plan
 from planner.problem import Problem
 from planner.step_cost import predict_program
 from test_parity import _gpt, check, make, tensor_parallel_mlp
@@ -38,12 +38,13 @@ def test_planner_recomputes_when_memory_is_tight(pools) -> None:
     """A cluster whose memory holds the best plan only with its blocks recomputed: the planner
     recomputes them, the prediction charges their forward again, and the plan trains as
     single-device training."""
-    plain = make("gpt:tiny,dtype=float64", [0.7, 0.3])
+    plain = make("gpt:tiny,dtype=float64", [0.7, 0.3], DP_SEED)  # data parallel: recomputation is the way to fit
     low, high = peak_gib(recomputed(plain)), peak_gib(plain)
     assert low < high
     kinds = {k: v.model_copy(update={"memory_gib": (low + high) / 2}) for k, v in plain.cluster.device_kinds.items()}
     cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
-    plan = make_plan(plain.graph, cluster, ratios=[0.7, 0.3], progress=False, with_baselines=False)
+    plan = make_plan(plain.graph, cluster, ratios=[0.7, 0.3], progress=False, with_baselines=False,
+                     restrictions=DP_SEED)
     assert plan.predicted.fits and recomputed_units(plan.instructions)
     assert plan.predicted.step_time_s > plain.predicted.step_time_s
     predicted_step(plan)  # the trace lays the recomputation out as the prediction does (it checks the totals)
