@@ -228,7 +228,7 @@ def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
             stats.lp_s += solution.seconds
             ratios = pb.devices.expand(solution.ratios)
             pb = Problem(graph, cluster, ratios, restrictions)
-        found = Candidate(tuple(ratios), program, predict(pb, program_terms(pb, program)))
+        found = _evaluate(graph, cluster, ratios, program, restrictions)  # buckets chosen: the plan records them
         if found.prediction.fits:
             fitting[id(program)] = found
         return found.prediction.fits
