@@ -41,6 +41,7 @@ from typing import Any
 from cost_models.terms import Cost, Form, seconds
 from instruction_set.plan import Plan, PlanError
 from instruction_set.program import Instruction
+from instruction_set.sync import SYNC_MESSAGES
 
 COMPUTE, COMMUNICATION, WAIT, PHASES, GRADIENT_SYNC = 1, 2, 3, 4, 5
 LANES = {COMPUTE: "compute", COMMUNICATION: "communication", WAIT: "wait", PHASES: "step phases",
@@ -172,6 +173,8 @@ def predicted_step(plan: Plan) -> PredictedStep:
             placed += more
         done[i] = t
     buckets = _buckets(plan, pb, done)
+    more, t = _place([(x, 1.0) for x in _transfer_cpu_times(plan, pb)], t)
+    placed += more
     sync_wait = (t, max(max((b.start_s + b.seconds for b in buckets), default=0.0) - t, 0.0))
     updates, t = _place([(times[i], 1.0) for i in times if plan.instructions[i].kind == "param"], t + sync_wait[1])
     scalars = [_scalar_times(term, plan.cluster.num_devices) for term in scalar_terms(pb, plan.instructions)]
@@ -204,6 +207,22 @@ def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
                 "predicted_s": s, "ready_s": ready_s}
         out.append(Bucket(f"gradient bucket {n} all_reduce", ready_s, max(end, ready_s), s, args))
         end = max(end, ready_s) + s
+    return out
+
+
+def _transfer_cpu_times(plan: Plan, pb: Any) -> list[InstructionTimes]:
+    """The compute each bucket's transfer takes from each device (planner.step_cost.TransferCpu),
+    laid after the backward's compute as the cost model's whole-backward branch adds it."""
+    from planner.step_cost import TransferCpu, bucket_sync
+
+    cpu, out = TransferCpu.of(pb), []
+    for n, bucket in enumerate(plan.buckets()):
+        lost = cpu.loss(bucket_sync(pb, bucket), SYNC_MESSAGES[bucket.variant])
+        if lost is not None:
+            per_class = lost.cost.per_device(lost.shares.values)
+            out.append(InstructionTimes(None, f"transfer CPU of gradient bucket {n}", COMPUTE,
+                                        pb.devices.expand(per_class), max(per_class),
+                                        {"bucket": n, "predicted_s": max(per_class)}))
     return out
 
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from render import COMMUNICATION_RGB, COMPUTE_RGB, chromium, dark_pixels, pixels_of, png_pixels, screenshot  # noqa: E402
 EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"
 A100_T4 = ROOT / "configs" / "clusters" / "a100-t4.toml"
+MEASURED = ROOT / "bench" / "results" / "local-emulated-measured.toml"  # transfer CPU costs measured
 
 
 def _plan(ref: str, cluster: Path, ratios: list[float] | None, devices: int) -> Plan:
@@ -42,7 +43,8 @@ def _plan(ref: str, cluster: Path, ratios: list[float] | None, devices: int) -> 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
     return {"gpt uneven": _plan("gpt:tiny", EMULATED, [0.4, 0.3, 0.2, 0.1], 4),
-            "vit searched": _plan("vit:tiny", A100_T4, None, 8)}
+            "vit searched": _plan("vit:tiny", A100_T4, None, 8),
+            "gpt transfer cpu": _plan("gpt:tiny", MEASURED, [0.4, 0.3, 0.2, 0.1], 4)}
 
 
 def _lane_totals(trace: dict, tid: int, n: int) -> list[float]:
@@ -53,7 +55,7 @@ def _lane_totals(trace: dict, tid: int, n: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt uneven", "vit searched"])
+@pytest.mark.parametrize("name", ["gpt uneven", "vit searched", "gpt transfer cpu"])
 def test_predicted_trace_matches_the_plan(plans: dict[str, Plan], name: str) -> None:
     plan = plans[name]
     trace = json.loads(json.dumps(predicted_trace(plan)))
@@ -69,6 +71,8 @@ def test_predicted_trace_matches_the_plan(plans: dict[str, Plan], name: str) -> 
     assert len(names) == n
     assert any(e["name"].startswith("wait for") for e in trace["traceEvents"]) == (len(set(plan.sharding_ratios)) > 1
                                                                                   or name == "vit searched")
+    charged = any(k.transfer_cpu_share > 0 for k in plan.cluster.device_kinds.values())
+    assert any(e["name"].startswith("transfer CPU") for e in trace["traceEvents"]) == charged
 
 
 @pytest.mark.parametrize("name", ["gpt uneven", "vit searched"])
