@@ -41,7 +41,6 @@ from typing import Any
 from cost_models.terms import Cost, Form, seconds
 from instruction_set.plan import Plan, PlanError
 from instruction_set.program import Instruction
-from instruction_set.sync import SYNC_MESSAGES
 
 COMPUTE, COMMUNICATION, WAIT, PHASES, GRADIENT_SYNC = 1, 2, 3, 4, 5
 LANES = {COMPUTE: "compute", COMMUNICATION: "communication", WAIT: "wait", PHASES: "step phases",
@@ -213,11 +212,10 @@ def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
 def _transfer_cpu_times(plan: Plan, pb: Any) -> list[InstructionTimes]:
     """The compute each bucket's transfer takes from each device (planner.step_cost.TransferCpu),
     laid after the backward's compute as the cost model's whole-backward branch adds it."""
-    from planner.step_cost import TransferCpu, bucket_sync
+    from planner.step_cost import transfer_losses
 
-    cpu, out = TransferCpu.of(pb), []
-    for n, bucket in enumerate(plan.buckets()):
-        lost = cpu.loss(bucket_sync(pb, bucket), SYNC_MESSAGES[bucket.variant])
+    out = []
+    for n, lost in enumerate(transfer_losses(pb, plan.buckets())):
         if lost is not None:
             per_class = lost.cost.per_device(lost.shares.values)
             out.append(InstructionTimes(None, f"transfer CPU of gradient bucket {n}", COMPUTE,

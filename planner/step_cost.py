@@ -177,10 +177,18 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
         buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES)
     forward, backward, post = split or _split(pb, program)
     ready = ready_indices(program, buckets)
-    sync, cpu = [bucket_sync(pb, b) for b in buckets], TransferCpu.of(pb)
-    lost = [cpu.loss(s, SYNC_MESSAGES[b.variant]) for s, b in zip(sync, buckets)]
-    overlap = Term(backward_overlap(backward, ready, sync, lost))
+    sync = [bucket_sync(pb, b) for b in buckets]
+    overlap = Term(backward_overlap(backward, ready, sync, transfer_losses(pb, buckets, sync)))
     return forward + [overlap] + post + scalar_terms(pb, program) + recompute_memory(pb, program)
+
+
+def transfer_losses(pb: Problem, buckets: Sequence[GradBucket],
+                    sync: Sequence[Form] | None = None) -> list[Form | None]:
+    """The compute each bucket's transfer takes (TransferCpu.loss; `sync`: the buckets'
+    bucket_sync forms if known)."""
+    cpu = TransferCpu.of(pb)
+    sync = sync if sync is not None else [bucket_sync(pb, b) for b in buckets]
+    return [cpu.loss(s, SYNC_MESSAGES[b.variant]) for s, b in zip(sync, buckets, strict=True)]
 
 
 def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket]) -> list[int]:
