@@ -201,6 +201,18 @@ class ClusterSpec(_Frozen):
             }
         )
 
+    def subset(self, ranks: "range") -> "ClusterSpec":
+        """The sub-cluster of the contiguous ranks `ranks` (a pipeline stage's devices), in
+        rank order, with the nodes that hold them; links and calibration are kept."""
+        if not (len(ranks) >= 1 and ranks.step == 1 and 0 <= ranks.start and ranks.stop <= self.num_devices):
+            raise ClusterSpecError(f"ranks {list(ranks)}: a sub-cluster is a non-empty run of consecutive ranks "
+                                   f"of 0..{self.num_devices - 1}")
+        keep = {d.name for d in self.devices[ranks.start:ranks.stop]}
+        nodes = [n.model_copy(update={"devices": tuple(d for d in n.devices if d in keep)}) for n in self.nodes]
+        return self.model_copy(update={"name": f"{self.name}[{ranks.start}:{ranks.stop}]",
+                                       "devices": self.devices[ranks.start:ranks.stop], "emulation": None,
+                                       "nodes": tuple(n for n in nodes if n.devices)})
+
 
 def _check_unique(what: str, names: list[str]) -> None:
     repeated = sorted(n for n, c in Counter(names).items() if c > 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import Layout
 from instruction_set.mesh import Mesh
+from instruction_set.pipeline import Pipeline, PipelineStage
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
 from instruction_set.shards import MeshLayout
@@ -33,13 +35,16 @@ from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientS
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 PLAN_CHANGES: dict[int, str] = {
     1: "the first format",
     2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
        "an instruction without a source layout has src null instead of \"\"; layouts are checked against "
        "their grammar (R, P, Pmax, S<d>, A|B) when a plan is read; a plan may record its gradient buckets "
        "(gradient_sync: the bucket cap and the buckets; plans without them get buckets at the default cap)",
+    3: "pipeline plans: `shape` (spmd or pipeline) says what `hetsynth run` executes; `pipeline` holds the "
+       "stages (each with its SPMD plan per micro-batch size), boundaries with their resharding plans, "
+       "micro-batches and the schedule's action lists; the SPMD fields stay the best SPMD plan",
 }
 
 
@@ -105,6 +110,11 @@ class SynthesisStats(_Frozen):
     exact: bool = Field(description="no state was dropped by the search's width bound")
 
 
+class PlanShape(StrEnum):
+    SPMD = "spmd"
+    PIPELINE = "pipeline"
+
+
 class Plan(_Frozen):
     version: int = PLAN_VERSION
     model: ModelInfo
@@ -122,9 +132,16 @@ class Plan(_Frozen):
     gradient_sync: GradientSync | None = Field(
         default=None, description="gradient buckets (instruction_set.sync); None in plans written before "
                                   "they were recorded: the runtime then assigns them at the default cap")
+    shape: PlanShape = Field(default=PlanShape.SPMD, description="what `hetsynth run` executes")
+    pipeline: Pipeline | None = Field(default=None, description="the pipeline plan (instruction_set.pipeline)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
+        if self.shape is PlanShape.PIPELINE and self.pipeline is None:
+            raise ValueError("shape is pipeline but the plan holds no pipeline")
+        if self.pipeline is not None and sum(self.pipeline.micro_batches) != self.model.batch_size:
+            raise ValueError(f"micro-batches {list(self.pipeline.micro_batches)} add up to "
+                             f"{sum(self.pipeline.micro_batches)}, the batch is {self.model.batch_size}")
         if self.gradient_sync is not None:
             check_buckets(self.gradient_sync, self.instructions)
         check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,
@@ -151,6 +168,11 @@ class Plan(_Frozen):
             raise PlanError(f"plan has no shard lengths for {tensor}:{layout}") from None
 
 
+PipelineStage.model_rebuild(_types_namespace={"Plan": Plan})
+Pipeline.model_rebuild(_types_namespace={"Plan": Plan})
+Plan.model_rebuild()
+
+
 def save_plan(plan: Plan, path: str | Path) -> None:
     Path(path).write_text(plan.model_dump_json(indent=1))
 
@@ -161,10 +183,12 @@ def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
     if raw["version"] == 1:
         raw = _from_version_1(raw)
         log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
-                    PLAN_CHANGES[PLAN_VERSION])
+                    PLAN_CHANGES[2])
+    if raw["version"] == 2:  # an SPMD plan: version 3 only adds the pipeline fields
+        raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] != PLAN_VERSION:
         raise PlanError(
-            f"{source} is plan format version {raw['version']!r}; this hetsynth reads versions 1 and "
+            f"{source} is plan format version {raw['version']!r}; this hetsynth reads versions 1 to "
             f"{PLAN_VERSION} (version {PLAN_VERSION}: {PLAN_CHANGES[PLAN_VERSION]}). Re-run `hetsynth plan` "
             f"to make a plan for this version."
         )
@@ -190,7 +214,7 @@ def _from_version_1(raw: dict) -> dict:
     if isinstance(raw.get("instructions"), list):
         raw["instructions"] = [{**i, "src": i["src"] or None} if isinstance(i, dict) and "src" in i else i
                                for i in raw["instructions"]]
-    return {**raw, "version": PLAN_VERSION}
+    return {**raw, "version": 2}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -133,7 +133,7 @@ def _storage_layouts(pb: Problem, node: Node) -> list[Layout]:
 
 def _input_layouts(pb: Problem, node: Node, two_level: bool, by_rows: bool) -> list[Layout]:
     forced = pb.restrictions.input_layout
-    if forced is not None:
+    if forced is not None and by_rows:  # an input without rows (a statistic's scalar) stays whole
         return [forced] + ([R] if not node.out.is_float and forced is not R else [])
     return [R] + ([S(0)] if by_rows else []) + ([Layout(Shard(0), Replicate())] if two_level else [])
 

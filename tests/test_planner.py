@@ -49,7 +49,7 @@ def test_json_round_trip(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) -> None:
 def test_other_version_is_refused(gpt_a100_t4: hetsynth.Plan, tmp_path: Path) -> None:
     raw = json.loads(gpt_a100_t4.model_dump_json())
     raw["version"] = PLAN_VERSION + 1
-    with pytest.raises(PlanError, match=f"version {PLAN_VERSION + 1}.*reads versions 1 and {PLAN_VERSION}"):
+    with pytest.raises(PlanError, match=f"version {PLAN_VERSION + 1}.*reads versions 1 to {PLAN_VERSION}"):
         plan_from_json(raw, "old.json")
     with pytest.raises(PlanError, match="not a hetsynth plan"):
         plan_from_json({"hello": 1}, "x.json")

@@ -1,0 +1,186 @@
+"""Pipeline plans for a given stage choice: stage programs, boundaries, micro-batches, schedule.
+
+`make_pipeline_plan(spmd, spec, cluster, stages=[(ranks, (start, stop)), ...], ...)` turns a
+stage choice (contiguous calls on contiguous ranks; the automatic choice of stages is not built
+yet) into the plan's `pipeline`:
+1. the micro-batch sizes and graphs (planner.microbatch; a coupled graph gets one micro-batch);
+2. per stage, its graph (instruction_set.stages) at the largest micro-batch size, synthesized on
+   the stage's sub-cluster by the existing search and ratio LP (or at given ratios); the same
+   program at the other size, its activations' shard lengths derived there (`program_at`);
+3. per boundary tensor and destination layout, the cross-mesh resharding plan
+   (planner.resharding, send/recv: the pipeline runtime moves each slice with its own
+   non-blocking point-to-point transfer);
+4. the action lists of the schedule, checked by the dry run, and the predicted step time of
+   every schedule by the discrete-event simulation (cost_models.schedule).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from cost_models.flows import NicModel
+from cost_models.schedule import StageTimes, simulate_schedule
+from instruction_set.cluster import ClusterSpec
+from instruction_set.graph import ReferenceGraph
+from instruction_set.layouts import Layout
+from instruction_set.mesh import Mesh
+from instruction_set.models import ModelSpec
+from instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage
+from instruction_set.plan import Plan, PlanShape
+from instruction_set.reshard_sides import Placed, reshard_spec
+from instruction_set.resharding import ReshardMethod
+from instruction_set.schedule import Link, Schedule, build_actions, check_actions
+from instruction_set.stages import boundary_outputs, stage_graph
+from planner.microbatch import micro_batch_sizes, micro_graphs
+from planner.planner import _evaluate, finalize, make_plan, model_info, shard_table
+from planner.resharding import plan_reshard
+
+log = logging.getLogger(__name__)
+
+StageChoice = tuple[range, tuple[int, int]]  # (ranks, [start, stop) over graph.calls)
+
+
+def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
+    """`plan`'s program and ratios on `graph` (the same stage at another micro-batch size)."""
+    found = _evaluate(graph, cluster, plan.sharding_ratios, plan.instructions)
+    pb = found.problem
+    return plan.model_copy(update={
+        "model": model_info(graph), "graph": graph, "shards": shard_table(pb, found.program),
+        "instructions": finalize(pb, found.program), "predicted": found.prediction,
+        "gradient_sync": found.sync})
+
+
+def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls: tuple[int, int],
+                 ratios: Sequence[float] | None, width: int) -> dict[int, Plan]:
+    big = max(graphs)
+    first = make_plan(stage_graph(graphs[big], *calls), cluster, ratios=ratios, width=width, progress=False,
+                      with_baselines=False)
+    plans = {big: first}
+    for b, g in graphs.items():
+        if b != big:
+            plans[b] = program_at(stage_graph(g, *calls), cluster, first)
+    return plans
+
+
+def held_layout(plan: Plan, tensor: str) -> Layout:
+    """The layout the stage program computes `tensor` in (a resharding source)."""
+    for ins in plan.instructions:
+        if ins.kind == "compute" and ins.node == tensor:
+            return ins.layout
+    raise ValueError(f"the stage program does not compute {tensor!r}")
+
+
+def loaded_layouts(plan: Plan, tensor: str) -> list[Layout]:
+    """The layouts the stage program loads the input `tensor` in."""
+    return [ins.layout for ins in plan.instructions if ins.kind == "input" and ins.tensor == tensor]
+
+
+def _placed(stage: PipelineStage, plan: Plan, tensor: str, layout: Layout) -> Placed:
+    mesh = plan.mesh
+    shifted = Mesh(mesh.num_nodes, mesh.per_node, mesh.two_level, stage.first_rank)
+    return Placed(shifted, layout, plan.shards.get(tensor, {}).get(layout, {}) if layout.is_shard else {})
+
+
+def _boundaries(stages: Sequence[PipelineStage], cluster: ClusterSpec) -> tuple[Boundary, ...]:
+    producer = {t: s.index for s in stages for t in s.outputs}
+    nics, hosts = NicModel.from_cluster(cluster), cluster.rank_nodes()
+    out = []
+    for dst in stages:
+        for tensor in dst.inputs:
+            src = stages[producer[tensor]]
+            some = next(iter(dst.plans.values()))
+            for layout in loaded_layouts(some, tensor):
+                held = held_layout(next(iter(src.plans.values())), tensor)
+                out.append(Boundary(tensor=tensor, src_stage=src.index, dst_stage=dst.index, src_layout=held,
+                                    dst_layout=layout, reshard={
+                                        b: _reshard(src, dst, b, tensor, held, layout, nics, hosts) for b in dst.plans}))
+    return tuple(out)
+
+
+def _reshard(src: PipelineStage, dst: PipelineStage, b: int, tensor: str, held: Layout, layout: Layout,
+             nics: NicModel, hosts: Sequence[int]):
+    sp, dp = src.plans[b], dst.plans[b]
+    meta = sp.graph.node(tensor).out
+    spec = reshard_spec(tensor, meta.shape, meta.dtype, meta.nbytes // max(meta.numel, 1),
+                        _placed(src, sp, tensor, held), _placed(dst, dp, tensor, layout), hosts)
+    return plan_reshard(spec, nics, method=ReshardMethod.SEND_RECV)
+
+
+def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], cluster: ClusterSpec,
+           ratios: Sequence[float] | None, width: int) -> PipelineStage:
+    ranks, calls = choice
+    full = next(iter(graphs.values()))
+    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width)
+    g = next(iter(plans.values())).graph
+    inputs = tuple(n.name for n in g.nodes if n.op == "input" and full.node(n.name).op == "call"
+                   and g.node(n.name).op == "input" and n.name in {c.name for c in full.calls[:calls[0]]})
+    return PipelineStage(index=index, first_rank=ranks.start, num_devices=len(ranks), calls=calls, inputs=inputs,
+                         outputs=boundary_outputs(full, *calls) if calls[1] < len(full.calls) else (), plans=plans)
+
+
+def predict(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
+            schedule: Schedule) -> tuple[float, float]:
+    """Predicted step time and the busiest stage's idle time under `schedule`: per micro-batch
+    forward/backward times from each stage plan's prediction at that size, split by FLOPs."""
+    links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
+    times = []
+    for st in stages:
+        fwd, bwd = [], []
+        for b in sizes:
+            plan = st.plans[b]
+            f, g = plan.graph.flops
+            share = f / (f + g) if f + g > 0 else 1 / 3
+            compute = plan.predicted.step_time_s
+            fwd.append(compute * share)
+            bwd.append(compute * (1 - share))
+        times.append(StageTimes(tuple(fwd), tuple(bwd)))
+    transfers = {(i, d): tuple(bd.reshard[b].predicted_s for b in sizes) for i, bd in enumerate(boundaries) for d in "FB"}
+    timeline = simulate_schedule(build_actions(schedule, len(sizes), links, len(stages)), times, links, transfers)
+    busiest = max(range(len(stages)), key=timeline.busy_s)
+    return timeline.step_time_s, timeline.step_time_s - timeline.busy_s(busiest)
+
+
+def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice], *, num_micro: int,
+                       schedule: Schedule = Schedule.EAGER_1F1B, ratios: Sequence[Sequence[float] | None] | None = None,
+                       width: int = 64) -> Plan:
+    """`spmd` (the best SPMD plan of the model on the whole cluster) with the pipeline of the
+    given stage choice, shape pipeline (module docstring)."""
+    cluster, full = spmd.cluster, spmd.graph
+    try:
+        sizes = micro_batch_sizes(spmd.model.batch_size, num_micro)
+        graphs, found = micro_graphs(spec, full, sizes)
+        coupled = ""
+    except ValueError as err:
+        if num_micro == 1:
+            raise
+        sizes, coupled = (spmd.model.batch_size,), str(err)
+        graphs, found = micro_graphs(spec, full, sizes)
+        log.warning("%s", err)
+    ratios = ratios or [None] * len(stages)
+    built = [_stage(i, c, graphs, cluster, ratios[i], width) for i, c in enumerate(stages)]
+    boundaries = _boundaries(built, cluster)
+    links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
+    actions = build_actions(schedule, len(sizes), links, len(built))
+    check_actions(actions, links, len(sizes))
+    predicted = {str(s): predict(built, boundaries, sizes, s) for s in Schedule}
+    pipeline = Pipeline(stages=tuple(built), boundaries=boundaries, micro_batches=tuple(sizes), schedule=schedule,
+                        actions=actions, statistics=found.statistics, coupled=coupled,
+                        predicted=PipelinePrediction(step_time_s=predicted[str(schedule)][0],
+                                                     schedules={k: v[0] for k, v in predicted.items()},
+                                                     bubble_s=predicted[str(schedule)][1]))
+    return spmd.model_copy(update={"shape": PlanShape.PIPELINE, "pipeline": pipeline})
+
+
+def block_starts(graph: ReferenceGraph) -> list[int]:
+    """Call indices where a numbered block (`blocks.3`, `features.12`) begins: the cuts a
+    stage choice may use."""
+    import re
+    out, prev = [], None
+    for i, node in enumerate(graph.calls):
+        m = re.match(r"^(.*?\.\d+)(\.|$)", node.module_path or "")
+        block = m.group(1) if m else None
+        if block is not None and block != prev and i > 0:
+            out.append(i)
+        prev = block if block is not None else prev
+    return out
