@@ -51,6 +51,12 @@ class Mesh:
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.size)
 
+    def index(self, rank: int) -> int:
+        """`rank`'s member index: where per-member lists (shard lengths, ratios) hold its entry."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not a member of the mesh of ranks {self.ranks.start}..{self.ranks.stop - 1}")
+        return rank - self.first_rank
+
     def axes(self) -> tuple[MeshAxis, ...]:
         return tuple(MeshAxis) if self.two_level else (MeshAxis.ALL,)
 

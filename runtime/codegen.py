@@ -27,7 +27,7 @@ parameters to optimise; `RankProgram.params` tells how each synchronises its gra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -38,6 +38,7 @@ from instruction_set.interpret import constant
 from instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
 from instruction_set.layouts import P, Layout
 from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
+from instruction_set.mesh import Mesh
 from instruction_set.plan import Plan
 from instruction_set.program import Instruction
 from instruction_set.rules.state import BUFFER_UPDATE
@@ -62,6 +63,7 @@ class RankProgram:
     params: list[LocalParam]
     inputs: list[tuple[str, Layout]]  # (graph input name, layout) in placeholder order
     updates: list[str] = field(default_factory=list)  # buffer attributes the outputs after the loss update
+    outputs: list[tuple[str, Layout]] = field(default_factory=list)  # returned after the updates (pipeline boundaries)
     ends: list[tuple[int, str]] = field(default_factory=list)  # (instruction index, name of its last fx node)
 
 
@@ -73,29 +75,35 @@ class FxBuilder:
         return self.graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
 
 
-def local_shape(plan: Plan, tensor: str, layout: Layout, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def local_shape(plan: Plan, tensor: str, layout: Layout, member: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The local shape on the mesh member at index `member` (the rank, on a whole-cluster mesh)."""
     out = list(shape)
     if layout.is_shard:
         for dim, lengths in plan.lengths(tensor, layout).items():
-            out[dim] = lengths[rank]
+            out[dim] = lengths[member]
     return tuple(out)
 
 
-def local_slice(plan: Plan, tensor: str, layout: Layout, rank: int, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a whole tensor in `layout` (params, buffers, data)."""
+def local_slice(plan: Plan, tensor: str, layout: Layout, rank: int, full: torch.Tensor,
+                mesh: Mesh | None = None) -> torch.Tensor:
+    """This rank's part of a whole tensor in `layout` (params, buffers, data), on `mesh` (the
+    plan's, or a pipeline stage's sub-mesh of global ranks)."""
     if not layout.is_shard:
         return full
-    placed = plan.placed(layout)
+    mesh = mesh or plan.mesh
+    placed, member = MeshLayout(mesh, layout), mesh.index(rank)
     for dim, lengths in plan.lengths(tensor, layout).items():
-        full = full.narrow(dim, placed.offset(lengths, dim, rank), lengths[rank])
+        full = full.narrow(dim, placed.offset(lengths, dim, rank), lengths[member])
     return full
 
 
 class _Emitter:
     def __init__(self, plan: Plan, groups: Groups, state: Mapping[str, torch.Tensor] | None,
-                 device: torch.device) -> None:
+                 device: torch.device, outputs: Sequence[tuple[str, Layout]] = ()) -> None:
         self.plan, self.groups, self.state, self.device = plan, groups, state, device
+        self.outputs = list(outputs)
         self.rank = groups.rank
+        self.member = groups.mesh.index(groups.rank)  # index into per-member shard lengths
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.env: dict[tuple[str, Layout], fx.Node] = {}
@@ -108,10 +116,10 @@ class _Emitter:
     def _local_value(self, node: Node, layout: Layout) -> torch.Tensor:
         meta = node.out
         if self.state is None:
-            shape = local_shape(self.plan, node.name, layout, self.rank, meta.shape)
+            shape = local_shape(self.plan, node.name, layout, self.member, meta.shape)
             return torch.empty(shape, dtype=getattr(torch, meta.dtype), device="meta")
         whole = constant(node) if node.value is not None else self.state[node.fqn]
-        part = local_slice(self.plan, node.name, layout, self.rank, whole)
+        part = local_slice(self.plan, node.name, layout, self.rank, whole, self.groups.mesh)
         return part.detach().clone().to(self.device)
 
     def storage(self, ins: Instruction) -> None:
@@ -142,7 +150,7 @@ class _Emitter:
 
     def _context(self, node: Node, ins: Instruction) -> LocalContext:
         mesh = self.groups.mesh
-        shapes = tuple(local_shape(self.plan, node.name, ins.layout, self.rank, m.shape) for m in node.outputs)
+        shapes = tuple(local_shape(self.plan, node.name, ins.layout, self.member, m.shape) for m in node.outputs)
         offsets = {}
         if local_kinds(ins.local) & {"gather_sharded", "embedding_sharded"}:
             offsets[0] = self._lookup_offset(node, ins)
@@ -195,9 +203,10 @@ class _Emitter:
             if len(self.graph.nodes) > before and ins.kind not in ("param", "buffer", "input"):
                 ends.append((index, next(iter(reversed(self.graph.nodes))).name))
             index += 1
-        self.graph.output((self.env[(self.plan.graph.loss, P)], *[v for _, v in self.updates]))
+        self.graph.output((self.env[(self.plan.graph.loss, P)], *[v for _, v in self.updates],
+                           *[self.env[out] for out in self.outputs]))
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
-        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates], ends)
+        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates], ends=ends, outputs=self.outputs)
 
 
 def _emit_one(emitter: _Emitter, ins: Instruction) -> None:
@@ -242,7 +251,9 @@ def _token_counts(plan: Plan, x: str, layout: Layout) -> list[int]:
 
 
 def build_rank_program(plan: Plan, groups: Groups, *, state: Mapping[str, torch.Tensor] | None = None,
-                       device: torch.device | str = "cpu") -> RankProgram:
+                       device: torch.device | str = "cpu", outputs: Sequence[tuple[str, Layout]] = ()) -> RankProgram:
     """The per-rank program. `state` maps the model's parameter and buffer names to whole
-    tensors (sliced here); without it, parameters are meta tensors (for reading the code)."""
-    return _Emitter(plan, groups, state, torch.device(device)).emit()
+    tensors (sliced here); without it, parameters are meta tensors (for reading the code).
+    `outputs`: (tensor, layout) pairs the program also returns, after the buffer updates (a
+    pipeline stage's boundary outputs, in the layouts it computes them)."""
+    return _Emitter(plan, groups, state, torch.device(device), outputs).emit()

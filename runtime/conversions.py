@@ -45,7 +45,7 @@ def span(plan: Plan, groups: Groups, tensor: str, layout: Layout, axis: str) -> 
     dim = placement.dim if placement.is_shard else 0
     lengths = plan.lengths(tensor, layout)[dim] if placement.is_shard else (0,) * plan.cluster.num_devices
     return C.Span(groups.group(axis), members, groups.index(axis), dim,
-                  tuple(lengths[m] for m in members))
+                  tuple(lengths[groups.mesh.index(m)] for m in members))
 
 
 Builder = Callable[[Plan, Groups, Instruction], Conversion]
@@ -111,6 +111,6 @@ def _slice(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
     offset = MeshLayout(mesh, ins.layout).offset(lengths, dim, rank)
     if ins.axis == "inner" and ins.layout.outer.dim == dim:
         offset -= sum(lengths[:mesh.node(rank) * mesh.per_node])
-    length = lengths[rank]
+    length = lengths[mesh.index(rank)]
     return Conversion("Slice", lambda x: C.slice_rows(x, dim, offset, length),
                       f"axis={ins.axis}, {ins.src}->{ins.layout}, dim={dim}, rows=[{offset}, {offset + length})")

@@ -37,16 +37,36 @@ class Groups:
         `timeout` (default: the timeout `world` was created with)."""
         handles: dict[str, Any] = {"all": world}
         if mesh.two_level:
-            timeout = timeout or group_timeout(world)
-            for node in range(mesh.num_nodes):
-                g = dist.new_group(list(mesh.node_ranks(node)), timeout=timeout)
-                if mesh.node(rank) == node:
-                    handles["inner"] = g
-            for local in range(mesh.per_node):
-                g = dist.new_group(list(mesh.cross_ranks(local)), timeout=timeout)
-                if mesh.local(rank) == local:
-                    handles["outer"] = g
+            handles |= Groups._axis_handles(mesh, rank, timeout or group_timeout(world))
         return Groups(mesh, rank, handles)
+
+    @staticmethod
+    def for_stages(meshes: list[Mesh], rank: int, *, world: Any) -> "Groups":
+        """The groups of `rank`'s pipeline stage: one per axis of each stage's sub-mesh (whose
+        "all" is the stage's ranks, not the world). Collective: every rank creates every stage's
+        groups, in stage order."""
+        timeout, mine = group_timeout(world), None
+        for mesh in meshes:
+            handles = {"all": dist.new_group(list(mesh.ranks), timeout=timeout)}
+            if mesh.two_level:
+                handles |= Groups._axis_handles(mesh, rank, timeout)
+            if rank in mesh.ranks:
+                mine = Groups(mesh, rank, handles)
+        assert mine is not None, (rank, meshes)
+        return mine
+
+    @staticmethod
+    def _axis_handles(mesh: Mesh, rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
+        handles: dict[str, Any] = {}
+        for node in range(mesh.num_nodes):
+            g = dist.new_group(list(mesh.node_ranks(node)), timeout=timeout)
+            if rank in mesh.ranks and mesh.node(rank) == node:
+                handles["inner"] = g
+        for local in range(mesh.per_node):
+            g = dist.new_group(list(mesh.cross_ranks(local)), timeout=timeout)
+            if rank in mesh.ranks and mesh.local(rank) == local:
+                handles["outer"] = g
+        return handles
 
     @staticmethod
     def local_only(mesh: Mesh, rank: int) -> "Groups":

@@ -1,0 +1,314 @@
+"""Training a pipeline plan on one rank: set-up, the action-list executor, one step.
+
+Set-up (collective, every rank in the same order): the process groups of every stage's
+sub-mesh (runtime.groups.Groups.for_stages), one group per parameter that several stages hold
+(GPT's tied embedding), then this rank's stage programs, one per micro-batch size, built from the
+stage's SPMD plans on its sub-mesh of global ranks; the programs of all sizes share one set of
+nn.Parameters (parameter shard lengths do not depend on the micro-batch size).
+
+A step is exactly a single-device step:
+- micro-batch m holds samples sB + o_m + [0, b_m); each rank loads its rows of them;
+- statistics (input-only batch reductions, planner.microbatch) are computed from the whole
+  batch, so that the micro-batches' losses add up to the batch's;
+- the actions of the rank's stage run in order (instruction_set.schedule): F(m) runs the
+  program of size b_m on the received boundary tensors and keeps what B(m) needs; B(m)
+  differentiates the loss (last stage) or the tokens of the sent boundary tensors, so autograd
+  accumulates every micro-batch's gradient into .grad;
+- then the stage's replicated gradients are all-reduced on their axis, the copies of a
+  parameter several stages hold are summed over their holders, the global norm is one world
+  all-reduce (each element counted once), clipping, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from instruction_set.interpret import call_node, constant
+from instruction_set.layouts import Layout
+from instruction_set.mesh import Mesh
+from instruction_set.models import ModelSpec, parse_model_ref
+from instruction_set.pipeline import Pipeline, PipelineStage
+from instruction_set.plan import Plan
+from instruction_set.schedule import ActionOp
+from instruction_set.shards import MeshLayout
+from runtime.codegen import RankProgram, build_rank_program, local_slice
+from runtime.config import TrainConfig
+from runtime.groups import Groups, group_timeout
+from runtime.pipeline.transfer import Link, Outbox, receive_forward, send_forward
+from runtime.train import full_state, make_optimizer, precision
+
+MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
+
+
+def stage_mesh(stage: PipelineStage) -> Mesh:
+    mesh = next(iter(stage.plans.values())).mesh
+    return Mesh(mesh.num_nodes, mesh.per_node, mesh.two_level, stage.first_rank)
+
+
+@dataclass
+class PipelineTrainer:
+    plan: Plan
+    spec: ModelSpec
+    stage: PipelineStage
+    groups: Groups
+    world: Any
+    programs: dict[int, RankProgram]
+    optimizer: torch.optim.Optimizer
+    config: TrainConfig
+    shared: dict[str, Any]                 # fqn -> group of the ranks of every stage holding it
+    state: dict[str, torch.Tensor]         # whole initial buffers and constants (statistics)
+    outbox: Outbox = field(default_factory=Outbox)
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        assert self.plan.pipeline is not None
+        return self.plan.pipeline
+
+    @property
+    def main(self) -> RankProgram:
+        return self.programs[max(self.programs)]
+
+
+def _shared_groups(pipeline: Pipeline, rank: int, world: Any) -> dict[str, Any]:
+    holders: dict[str, list[PipelineStage]] = {}
+    for stage in pipeline.stages:
+        for node in next(iter(stage.plans.values())).graph.params:
+            holders.setdefault(node.fqn, []).append(stage)
+    out = {}
+    for fqn, stages in holders.items():
+        if len(stages) > 1:
+            ranks = [r for s in stages for r in s.ranks]
+            group = dist.new_group(ranks, timeout=group_timeout(world))
+            if rank in ranks:
+                out[fqn] = group
+    return out
+
+
+def _outputs(pipeline: Pipeline, stage: PipelineStage) -> list[tuple[str, Layout]]:
+    return list(dict.fromkeys((b.tensor, b.src_layout) for b in pipeline.boundaries if b.src_stage == stage.index))
+
+
+def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
+    pipeline = plan.pipeline
+    assert pipeline is not None, "setup needs a pipeline plan"
+    spec = parse_model_ref(plan.model.ref)
+    groups = Groups.for_stages([stage_mesh(s) for s in pipeline.stages], rank, world=world)
+    shared = _shared_groups(pipeline, rank, world)
+    stage = pipeline.stage_of(rank)
+    state = full_state(spec, config.seed)
+    programs: dict[int, RankProgram] = {}
+    for b in sorted(stage.plans, reverse=True):
+        programs[b] = build_rank_program(stage.plans[b], groups, state=state, outputs=_outputs(pipeline, stage))
+        if len(programs) > 1:
+            _share_parameters(programs[b], programs[max(programs)])
+    optimizer = make_optimizer(list(programs[max(programs)].module.parameters()), config)
+    return PipelineTrainer(plan, spec, stage, groups, world, programs, optimizer, config, shared, state)
+
+
+def _share_parameters(program: RankProgram, main: RankProgram) -> None:
+    for name, param in list(program.module.named_parameters()):
+        program.module._parameters[name] = getattr(main.module, name)
+    for name, _ in list(program.module.named_buffers()):
+        program.module._buffers[name] = getattr(main.module, name)
+
+
+# -- data -------------------------------------------------------------------------------------------
+
+def _rows(plan: Plan, mesh: Mesh, tensor: str, layout: Layout, rank: int, batch: int) -> range:
+    if not layout.is_shard or 0 not in plan.lengths(tensor, layout):
+        return range(batch)
+    lengths = plan.lengths(tensor, layout)[0]
+    start = MeshLayout(mesh, layout).offset(lengths, 0, rank)
+    return range(start, start + lengths[mesh.index(rank)])
+
+
+def statistics(t: PipelineTrainer, step: int) -> dict[str, torch.Tensor]:
+    """The input-only batch reductions over the whole global batch (planner.microbatch)."""
+    pipeline, graph = t.pipeline, t.plan.graph
+    if not pipeline.statistics:
+        return {}
+    batch = t.plan.model.batch_size
+    values = t.spec.make_batch(range(step * batch, (step + 1) * batch), seed=t.config.data_seed)
+    env: dict[str, Any] = dict(zip([n.name for n in graph.nodes if n.op == "input"], values))
+    for node in graph.nodes:
+        if node.op == "buffer":
+            env[node.name] = constant(node) if node.value is not None else t.state[node.fqn]
+    need = _closure(graph, pipeline.statistics)
+    for node in graph.calls:
+        if node.name in need:
+            env[node.name] = call_node(node, env, torch.device("cpu"))
+    return {s: env[s] for s in pipeline.statistics}
+
+
+def _closure(graph: Any, names: Sequence[str]) -> set[str]:
+    todo, need = list(names), set()
+    while todo:
+        n = todo.pop()
+        if n not in need and graph.node(n).op == "call":
+            need.add(n)
+            todo += list(graph.node(n).inputs)
+    return need
+
+
+def micro_inputs(t: PipelineTrainer, step: int, m: int, received: dict[str, torch.Tensor],
+                 stats: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The program's inputs for micro-batch m: data rows, statistics, received boundaries."""
+    sizes = t.pipeline.micro_batches
+    b, base = sizes[m], step * t.plan.model.batch_size + sum(sizes[:m])
+    plan, program = t.stage.plans[b], t.programs[b]
+    names = [n.name for n in t.plan.graph.nodes if n.op == "input"]
+    out = []
+    for name, layout in program.inputs:
+        if (name, layout) in received:
+            out.append(received[(name, layout)])
+        elif name in stats:
+            out.append(stats[name].to(getattr(torch, plan.graph.node(name).out.dtype)))
+        else:
+            rows = _rows(plan, t.groups.mesh, name, layout, t.groups.rank, b)
+            out.append(t.spec.make_batch([base + r for r in rows], seed=t.config.data_seed)[names.index(name)])
+    return out
+
+
+# -- the executor -----------------------------------------------------------------------------------
+
+def _link(t: PipelineTrainer, index: int, m: int) -> Link:
+    boundary = t.pipeline.boundaries[index]
+    b = t.pipeline.micro_batches[m]
+    dtype = getattr(torch, t.stage.plans[b].graph.node(boundary.tensor).out.dtype)
+    stage_group = t.groups.group("all") if boundary.src_stage == t.stage.index else None
+    tag = (index * len(t.pipeline.micro_batches) + m) * MAX_CHAINS
+    return Link(boundary.reshard[b], t.groups.rank, t.world, stage_group, tag, t.outbox, dtype)
+
+
+def run_actions(t: PipelineTrainer, step: int) -> torch.Tensor:
+    """This rank's stage actions for one step; returns its summed loss summand."""
+    pipeline, s = t.pipeline, t.stage.index
+    stats = statistics(t, step)
+    received: dict[int, dict] = {}
+    saved: dict[int, list[torch.Tensor]] = {}
+    outs: dict[int, dict] = {}
+    loss = torch.zeros((), dtype=torch.float64)
+    last = s == len(pipeline.stages) - 1
+    for a in pipeline.actions[s]:
+        m = a.micro_batch
+        if a.op is ActionOp.RECV_F:
+            bd = pipeline.boundaries[a.boundary]
+            received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(_link(t, a.boundary, m), True)
+        elif a.op is ActionOp.F:
+            program = t.programs[pipeline.micro_batches[m]]
+            result = program.module(*micro_inputs(t, step, m, received.pop(m, {}), stats))
+            n_up = len(program.updates)
+            _update_buffers(program, result[1:1 + n_up])
+            outs[m] = dict(zip(program.outputs, result[1 + n_up:]))
+            saved[m] = [result[0]] if last else []
+            if last:
+                loss = loss + result[0].detach().to(torch.float64)
+        elif a.op is ActionOp.SEND_F:
+            bd = pipeline.boundaries[a.boundary]
+            x = outs[m][(bd.tensor, bd.src_layout)]
+            if x.requires_grad:
+                saved[m].append(send_forward(x, _link(t, a.boundary, m)))
+            else:
+                send_forward(x, _link(t, a.boundary, m))
+        elif a.op is ActionOp.B:
+            roots = saved.pop(m)
+            outs.pop(m, None)
+            if roots:
+                torch.autograd.backward(roots, [None if last else r.new_zeros(0) for r in roots])
+    return loss
+
+
+def _update_buffers(program: RankProgram, values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, value in zip(program.updates, values, strict=True):
+            getattr(program.module, name).copy_(value)
+
+
+# -- after the backward passes ----------------------------------------------------------------------
+
+def sync_gradients(t: PipelineTrainer) -> None:
+    """Replicated gradients inside the stage (their backward all_reduce), then the copies of
+    parameters several stages hold, summed over the holders."""
+    module = t.main.module
+    for p in t.main.params:
+        grad = getattr(module, p.name).grad
+        if p.sync is not None and grad is not None:
+            dist.all_reduce(grad, group=t.groups.group(p.sync.axis))
+    plan = t.stage.plans[max(t.stage.plans)]
+    for p in t.main.params:
+        if p.fqn in t.shared:
+            param = getattr(module, p.name)
+            node = plan.graph.node(p.name)
+            whole = torch.zeros(node.out.shape, dtype=param.dtype)
+            if param.grad is not None and MeshLayout(t.groups.mesh, p.layout).counts_once(t.groups.rank):
+                local_slice(plan, p.name, p.layout, t.groups.rank, whole, t.groups.mesh).add_(param.grad)
+            dist.all_reduce(whole, group=t.shared[p.fqn])
+            param.grad = local_slice(plan, p.name, p.layout, t.groups.rank, whole, t.groups.mesh).clone()
+
+
+def _owner(t: PipelineTrainer, fqn: str) -> bool:
+    """Whether this stage counts a parameter in global sums (the first stage holding it)."""
+    for stage in t.pipeline.stages:
+        if any(n.fqn == fqn for n in next(iter(stage.plans.values())).graph.params):
+            return stage.index == t.stage.index
+    return False
+
+
+def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
+    module = t.main.module
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in t.main.params:
+        grad = getattr(module, p.name).grad
+        if grad is not None and _owner(t, p.fqn) and MeshLayout(t.groups.mesh, p.layout).counts_once(t.groups.rank):
+            sq += grad.detach().to(torch.float64).pow(2).sum()
+    both = torch.stack([sq, loss.to(torch.float64)])
+    dist.all_reduce(both, group=t.world)
+    if t.config.max_grad_norm is not None:
+        scale = t.config.max_grad_norm / (float(both[0].sqrt()) + 1e-6)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if scale < 1.0 and grads:
+            torch._foreach_mul_(grads, scale)
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return float(both[1])
+
+
+def train_step(t: PipelineTrainer, step: int) -> float:
+    """One step (module docstring); returns the global loss."""
+    with precision(t.config.dtype):
+        loss = run_actions(t, step)
+        t.outbox.flush()
+        sync_gradients(t)
+        value = clip_and_step(t, loss)
+    t.losses.append(value)
+    return value
+
+
+def local_parameters(t: PipelineTrainer) -> dict[str, tuple[int, str, torch.Tensor]]:
+    """fqn -> (stage, storage layout, this rank's slice)."""
+    module = t.main.module
+    return {p.fqn: (t.stage.index, str(p.layout), getattr(module, p.name).detach().cpu()) for p in t.main.params}
+
+
+def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[int, str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Whole parameters from every rank's slices, each from the first stage holding it."""
+    pipeline = plan.pipeline
+    assert pipeline is not None
+    owner = {fqn: min(i for params in per_rank for f, (i, _, _) in params.items() if f == fqn)
+             for params in per_rank for fqn in params}
+    out: dict[str, torch.Tensor] = {}
+    for rank, params in enumerate(per_rank):
+        stage = pipeline.stage_of(rank)
+        splan, mesh = stage.plans[max(stage.plans)], stage_mesh(stage)
+        for fqn, (index, layout, value) in params.items():
+            if index != owner[fqn]:
+                continue
+            node = next(n for n in splan.graph.params if n.fqn == fqn)
+            whole = out.setdefault(fqn, torch.full(node.out.shape, float("nan"), dtype=value.dtype))
+            local_slice(splan, node.name, Layout.parse(layout), rank, whole, mesh).copy_(value)
+    return out
