@@ -77,7 +77,9 @@ class Box(_Frozen):
     def split(self, parts: int) -> tuple["Box", ...]:
         """`parts` near-equal pieces along the box's longest dim (fewer when it is shorter;
         the pieces partition the box)."""
-        dim = max(range(len(self.shape)), key=lambda d: (self.shape[d], -d)) if self.shape else 0
+        if not self.shape:  # a 0-d box is one piece
+            return (self,)
+        dim = max(range(len(self.shape)), key=lambda d: (self.shape[d], -d))
         n = self.shape[dim] if self.shape else 0
         parts = max(1, min(parts, n))
         edges = [self.start[dim] + n * i // parts for i in range(parts + 1)]

@@ -23,7 +23,7 @@ from cost_models.flows import NicModel
 from cost_models.schedule import StageTimes, simulate_schedule
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import Layout
+from instruction_set.layouts import P, R, Layout
 from instruction_set.mesh import Mesh
 from instruction_set.models import ModelSpec
 from instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage
@@ -100,8 +100,13 @@ def _boundaries(stages: Sequence[PipelineStage], cluster: ClusterSpec) -> tuple[
 
 def _reshard(src: PipelineStage, dst: PipelineStage, b: int, tensor: str, held: Layout, layout: Layout,
              nics: NicModel, hosts: Sequence[int]):
+    """The send/recv resharding plan at micro-batch size b. A 0-d Partial source (a scalar
+    such as MoE's running auxiliary loss) cannot be reduce-scattered: the runtime all-reduces
+    it on the source stage first, so the plan moves it from R."""
     sp, dp = src.plans[b], dst.plans[b]
     meta = sp.graph.node(tensor).out
+    if held is P and not meta.shape:
+        held = R
     spec = reshard_spec(tensor, meta.shape, meta.dtype, meta.nbytes // max(meta.numel, 1),
                         _placed(src, sp, tensor, held), _placed(dst, dp, tensor, layout), hosts)
     return plan_reshard(spec, nics, method=ReshardMethod.SEND_RECV)

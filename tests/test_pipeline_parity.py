@@ -25,6 +25,7 @@ from runtime.config import TrainConfig
 from runtime.train import reference_training
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
+WIDTH = 8  # the search's width: small programs, quick planning
 CONFIG = TrainConfig(steps=5, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 
 
@@ -44,16 +45,16 @@ def pipeline_plans(ref: str, num_stages: int, num_micro: int) -> list[Plan]:
     from hetsynth import capture_model as capture
     graph = capture(ref)
     cluster = load_cluster(CLUSTER)
-    spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
+    spmd = make_plan(graph, cluster, ratios=[1.0] * 4, width=WIDTH, progress=False, with_baselines=False)
     cuts, n = block_starts(graph), len(graph.calls)
     if num_stages == 2:
         c = cuts[len(cuts) // 2]
-        stages, ratios = [(range(0, 2), (0, c)), (range(2, 4), (c, n))], [[0.7, 0.3], None]
+        stages, ratios = [(range(0, 2), (0, c)), (range(2, 4), (c, n))], [[0.7, 0.3], [0.5, 0.5]]
     else:
         a, b = cuts[len(cuts) // 3], cuts[2 * len(cuts) // 3]
-        stages, ratios = [(range(0, 1), (0, a)), (range(1, 2), (a, b)), (range(2, 4), (b, n))], [None, None, [1.0, 0.0]]
+        stages, ratios = [(range(0, 1), (0, a)), (range(1, 2), (a, b)), (range(2, 4), (b, n))], [[1.0], [1.0], [1.0, 0.0]]
     spec = parse_model_ref(ref)
-    first = make_pipeline_plan(spmd, spec, stages, num_micro=num_micro, ratios=ratios)
+    first = make_pipeline_plan(spmd, spec, stages, num_micro=num_micro, ratios=ratios, width=WIDTH)
     return [first.model_copy(update={"pipeline": first.pipeline.model_copy(update={
         "schedule": s, "actions": _actions(first, s)})}) for s in Schedule]
 
@@ -79,7 +80,11 @@ def check(pools, plans: list[Plan]) -> None:
             assert err <= 1e-8, f"{plan.pipeline.schedule} {name}: max difference {err}"
 
 
-@pytest.mark.parametrize("model", ["gpt"])
+@pytest.mark.parametrize("model", ["gpt", "bert", "vit", "vgg", "moe", "resnet"])
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_pipeline_parity(pools, model: str, num_stages: int) -> None:
-    check(pools, pipeline_plans(f"{model}:tiny,dtype=float64", num_stages, 3))
+    plans = pipeline_plans(f"{model}:tiny,dtype=float64", num_stages, 3)
+    coupled = model in ("moe", "resnet")  # their micro-batches would change the loss: one micro-batch
+    assert plans[0].pipeline.micro_batches == ((8,) if coupled else (3, 3, 2))
+    assert bool(plans[0].pipeline.coupled) == coupled
+    check(pools, plans)

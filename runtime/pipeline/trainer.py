@@ -182,7 +182,10 @@ def _link(t: PipelineTrainer, index: int, m: int) -> Link:
     dtype = getattr(torch, t.stage.plans[b].graph.node(boundary.tensor).out.dtype)
     stage_group = t.groups.group("all") if boundary.src_stage == t.stage.index else None
     tag = (index * len(t.pipeline.micro_batches) + m) * MAX_CHAINS
-    return Link(boundary.reshard[b], t.groups.rank, t.world, stage_group, tag, t.outbox, dtype)
+    plan = boundary.reshard[b]
+    first = (t.groups.span("all") if stage_group is not None and boundary.src_layout.outer.is_partial
+             and not plan.spec.src.partial else None)
+    return Link(plan, t.groups.rank, t.world, stage_group, tag, t.outbox, dtype, first)
 
 
 def run_actions(t: PipelineTrainer, step: int) -> torch.Tensor:

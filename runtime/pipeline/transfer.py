@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from instruction_set.resharding import Box, ReshardPlan
-from runtime.collectives import Span, reduce_scatter
+from runtime.collectives import Span, all_reduce, reduce_scatter
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Link:
     tag_base: int
     outbox: Outbox
     dtype: torch.dtype
+    reduce_first: Span | None = None  # the source stage's span, when a 0-d Partial is all-reduced first
 
     def box(self, side: str) -> Box | None:
         if side == "src":
@@ -126,6 +127,8 @@ def send_forward(x: torch.Tensor, link: Link) -> torch.Tensor:
     """Post this rank's slices of a boundary tensor (module docstring); returns the token to
     differentiate in B(m)."""
     red = link.plan.source_reduction
+    if link.reduce_first is not None:  # a 0-d Partial source: summed on the source stage (planner.pipeline)
+        x = all_reduce(x, link.reduce_first)
     if red is not None:
         members = link.plan.spec.src.ranks
         x = reduce_scatter(x, Span(link.stage_group, members, members.index(link.rank), red.dim, red.lengths),
