@@ -189,3 +189,16 @@ def block_starts(graph: ReferenceGraph) -> list[int]:
             out.append(i)
         prev = block if block is not None else prev
     return out
+
+
+def with_schedule(plan: Plan, schedule: Schedule) -> Plan:
+    """The same pipeline (stages, micro-batches) under another schedule, its actions checked
+    by the dry run and its prediction the simulation's for that schedule."""
+    p = plan.pipeline
+    if p is None:
+        raise ValueError("with_schedule needs a pipeline plan")
+    actions = build_actions(schedule, len(p.micro_batches), p.links, len(p.stages))
+    step_s, bubble_s = predict(p.stages, p.boundaries, p.micro_batches, schedule)
+    predicted = p.predicted.model_copy(update={"step_time_s": step_s, "bubble_s": bubble_s})
+    return plan.model_copy(update={"pipeline": Pipeline.model_validate(
+        p.model_copy(update={"schedule": schedule, "actions": actions, "predicted": predicted}).model_dump())})
