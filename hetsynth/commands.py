@@ -67,6 +67,41 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float,
                    help="gradient bucket cap in MiB (default: the one the cost model predicts fastest)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
+    p.add_argument("--stages", type=int, help="also make a pipeline of this many stages (contiguous nodes or "
+                                              "devices, cut at block boundaries by throughput) and keep the "
+                                              "faster shape; both are printed")
+    p.add_argument("--micro-batches", type=int, help="micro-batches of the pipeline (default: the fastest of S, 2S, 4S)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
+                   help="pipeline schedule (default: the one predicted fastest)")
+
+
+def _pipeline(plan: "Plan", args: argparse.Namespace) -> "Plan":
+    from instruction_set.models import parse_model_ref
+    from instruction_set.schedule import Schedule
+    from planner.pipeline import plan_stages
+
+    if args.stages is None:
+        if args.micro_batches is not None or args.schedule is not None:
+            raise ValueError("--micro-batches and --schedule need --stages")
+        return plan
+    if args.micro_batches is not None and not 1 <= args.micro_batches <= plan.model.batch_size:
+        raise ValueError(f"--micro-batches {args.micro_batches}: choose 1..{plan.model.batch_size} (the batch size)")
+    return plan_stages(plan, parse_model_ref(plan.model.ref), args.stages, num_micro=args.micro_batches,
+                       schedule=Schedule(args.schedule) if args.schedule else None)
+
+
+def pipeline_summary(plan: "Plan") -> str:
+    p = plan.pipeline
+    stages = "; ".join(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]}, calls {s.calls[0]}-{s.calls[1] - 1}"
+                       for s in p.stages)
+    lines = [f"pipeline: {len(p.stages)} stages, {p.schedule.value}, {len(p.micro_batches)} micro-batches "
+             f"{list(p.micro_batches)}: predicted {p.predicted.step_time_s * 1e3:.2f} ms/step "
+             f"(schedules: {', '.join(f'{k} {v * 1e3:.2f}' for k, v in p.predicted.schedules.items())})",
+             f"  {stages}",
+             f"best SPMD plan: predicted {plan.predicted.step_time_s * 1e3:.2f} ms/step"
+             f"{'' if plan.predicted.fits else ' (does not fit)'}",
+             f"chosen: {plan.shape.value}"]
+    return "\n".join(lines + ([f"  one micro-batch: {p.coupled}"] if p.coupled else []))
 
 
 def _parse_ratios(text: str | None) -> list[float] | None:
@@ -88,6 +123,7 @@ def plan_run(args: argparse.Namespace) -> int:
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                          measure_ops=args.measure_ops, data_parallel=args.data_parallel,
                          bucket_mb=args.bucket_mb)
+    plan = _pipeline(plan, args)
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
@@ -96,6 +132,8 @@ def plan_run(args: argparse.Namespace) -> int:
                      "synthesis": plan.synthesis.model_dump()})
     else:
         print(plan_summary_text(plan))
+        if plan.pipeline is not None:
+            print("\n" + pipeline_summary(plan))
         print(f"\nwrote {args.output}")
     return 0
 
@@ -175,8 +213,10 @@ def explain_args(p: argparse.ArgumentParser) -> None:
 def explain_run(args: argparse.Namespace) -> int:
     from instruction_set.plan import load_plan
     from hetsynth.explain import explain
+    from hetsynth.explain_pipeline import explain_pipeline
 
-    print(explain(load_plan(args.plan), args.rank))
+    plan = load_plan(args.plan)
+    print(explain_pipeline(plan, args.rank) if plan.pipeline is not None else explain(plan, args.rank))
     return 0
 
 

@@ -202,3 +202,67 @@ def with_schedule(plan: Plan, schedule: Schedule) -> Plan:
     predicted = p.predicted.model_copy(update={"step_time_s": step_s, "bubble_s": bubble_s})
     return plan.model_copy(update={"pipeline": Pipeline.model_validate(
         p.model_copy(update={"schedule": schedule, "actions": actions, "predicted": predicted}).model_dump())})
+
+
+# -- a simple stage choice (the dynamic programme over cuts and sub-meshes is not built yet) -------
+
+def rank_groups(cluster: ClusterSpec, num_stages: int) -> list[range]:
+    """Contiguous rank ranges: whole nodes when there are at least as many nodes as stages
+    (consecutive nodes joined, balanced by device count), else equal runs of devices."""
+    sizes = [len(n.devices) for n in cluster.nodes]
+    if not 1 <= num_stages <= cluster.num_devices:
+        raise ValueError(f"--stages {num_stages}: cluster {cluster.name!r} has {cluster.num_devices} devices; "
+                         f"choose 1..{cluster.num_devices}")
+    if num_stages <= len(sizes):
+        bounds = [round(len(sizes) * k / num_stages) for k in range(num_stages + 1)]
+        starts = [sum(sizes[:b]) for b in bounds]
+    else:
+        starts = [round(cluster.num_devices * k / num_stages) for k in range(num_stages + 1)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def balanced_cuts(graph: ReferenceGraph, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Call ranges cut at block starts so that stage s gets about weights[s] of the FLOPs."""
+    calls, starts = graph.calls, block_starts(graph)
+    if len(starts) < len(weights) - 1:
+        raise ValueError(f"{len(weights)} stages: {graph.model_ref} has {len(starts) + 1} blocks to cut between; "
+                         f"choose at most {len(starts) + 1} stages")
+    flops = [n.flops_fwd + n.flops_bwd for n in calls]
+    prefix = [sum(flops[:i]) for i in starts]
+    total, cuts, at = sum(flops), [], -1
+    for k in range(1, len(weights)):
+        target = total * sum(weights[:k]) / sum(weights)
+        options = [j for j in range(at + 1, len(starts) - (len(weights) - 1 - k))]
+        at = min(options, key=lambda j: abs(prefix[j] - target))
+        cuts.append(starts[at])
+    edges = [0, *cuts, len(calls)]
+    return list(zip(edges, edges[1:]))
+
+
+def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int | None = None,
+                schedule: Schedule | None = None, width: int = 64) -> Plan:
+    """A pipeline of `num_stages` stages (`rank_groups`, `balanced_cuts` by the groups'
+    throughputs), with the micro-batch count (of S, 2S, 4S within the batch, unless given) and
+    the schedule (unless given) the simulation predicts fastest. The plan's shape is the
+    pipeline when it is predicted faster than the SPMD plan by more than 2 % or only it fits."""
+    cluster = spmd.cluster
+    groups = rank_groups(cluster, num_stages)
+    speeds = cluster.throughputs_flops()
+    cuts = balanced_cuts(spmd.graph, [sum(speeds[r] for r in g) for g in groups])
+    batch = spmd.model.batch_size
+    counts = [num_micro] if num_micro else sorted({m for m in (num_stages, 2 * num_stages, 4 * num_stages) if m <= batch} or {batch})
+    best: Plan | None = None
+    for m in counts:
+        candidate = make_pipeline_plan(spmd, spec, list(zip(groups, cuts)), num_micro=m, width=width)
+        p = candidate.pipeline
+        pick = schedule or min(Schedule, key=lambda s: p.predicted.schedules[str(s)])
+        candidate = with_schedule(candidate, pick) if pick is not p.schedule else candidate
+        if best is None or candidate.pipeline.predicted.step_time_s < best.pipeline.predicted.step_time_s:
+            best = candidate
+        if candidate.pipeline.coupled:  # one micro-batch whatever was asked
+            break
+    assert best is not None
+    faster = best.pipeline.predicted.step_time_s < spmd.predicted.step_time_s * 0.98
+    fits = all(st.plans[max(st.plans)].predicted.fits for st in best.pipeline.stages)
+    shape = PlanShape.PIPELINE if fits and (faster or not spmd.predicted.fits) else PlanShape.SPMD
+    return best.model_copy(update={"shape": shape})

@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from instruction_set.plan import load_plan
+from instruction_set.plan import PlanShape, load_plan
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.config import add_train_arguments, train_config
 from runtime.groups import Groups
 from runtime.memory_report import RankMemory, as_json, format_report, measure_step
 from runtime.outputs import check_outputs
+from runtime.pipeline.run import run_pipeline
 from runtime.rank import run_rank
 from runtime.timing import StepTracer
 from runtime.train import StepLog, Trainer, assemble, local_parameters, model_buffers, setup, train_step
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # before any work: a bad path must not cost the run
             check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out})
         plan = load_plan(args.plan)
+        if plan.shape is PlanShape.PIPELINE:
+            run_pipeline(plan, rank, args, _inject)
+            return
         groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
         config = train_config(args)
         trainer = setup(plan, groups, config, device)

@@ -30,9 +30,10 @@ import torch.distributed as dist
 from instruction_set.interpret import call_node, constant
 from instruction_set.layouts import Layout
 from instruction_set.mesh import Mesh
-from instruction_set.models import ModelSpec, parse_model_ref
+from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.pipeline import Pipeline, PipelineStage
 from instruction_set.plan import Plan
+from instruction_set.precision import with_float_dtype
 from instruction_set.schedule import ActionOp
 from instruction_set.shards import MeshLayout
 from runtime.codegen import RankProgram, build_rank_program, local_slice
@@ -60,7 +61,7 @@ class PipelineTrainer:
     optimizer: torch.optim.Optimizer
     config: TrainConfig
     shared: dict[str, Any]                 # fqn -> group of the ranks of every stage holding it
-    state: dict[str, torch.Tensor]         # whole initial buffers and constants (statistics)
+    state: dict[str, torch.Tensor]         # the model's whole buffers as initialised (statistics read them)
     outbox: Outbox = field(default_factory=Outbox)
     losses: list[float] = field(default_factory=list)
 
@@ -94,9 +95,11 @@ def _outputs(pipeline: Pipeline, stage: PipelineStage) -> list[tuple[str, Layout
 
 
 def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
-    pipeline = plan.pipeline
-    assert pipeline is not None, "setup needs a pipeline plan"
+    assert plan.pipeline is not None, "setup needs a pipeline plan"
     spec = parse_model_ref(plan.model.ref)
+    if config.dtype is not None:
+        plan, spec = twin(plan, config.dtype), with_dtype(spec, config.dtype)
+    pipeline = plan.pipeline
     groups = Groups.for_stages([stage_mesh(s) for s in pipeline.stages], rank, world=world)
     shared = _shared_groups(pipeline, rank, world)
     stage = pipeline.stage_of(rank)
@@ -107,7 +110,19 @@ def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> Pipeline
         if len(programs) > 1:
             _share_parameters(programs[b], programs[max(programs)])
     optimizer = make_optimizer(list(programs[max(programs)].module.parameters()), config)
-    return PipelineTrainer(plan, spec, stage, groups, world, programs, optimizer, config, shared, state)
+    params = {n for n, _ in spec.build("meta").named_parameters(remove_duplicate=False)}
+    buffers = {k: v for k, v in state.items() if k not in params}
+    del state  # no rank keeps whole copies of the parameters
+    return PipelineTrainer(plan, spec, stage, groups, world, programs, optimizer, config, shared, buffers)
+
+
+def twin(plan: Plan, dtype: str) -> Plan:
+    """The pipeline plan in another floating-point dtype: every stage plan's twin
+    (instruction_set.precision), the same programs, ratios and shard lengths."""
+    pipeline = plan.pipeline
+    stages = tuple(s.model_copy(update={"plans": {b: with_float_dtype(p, dtype) for b, p in s.plans.items()}})
+                   for s in pipeline.stages)
+    return with_float_dtype(plan, dtype).model_copy(update={"pipeline": pipeline.model_copy(update={"stages": stages})})
 
 
 def _share_parameters(program: RankProgram, main: RankProgram) -> None:
@@ -296,6 +311,17 @@ def local_parameters(t: PipelineTrainer) -> dict[str, tuple[int, str, torch.Tens
     """fqn -> (stage, storage layout, this rank's slice)."""
     module = t.main.module
     return {p.fqn: (t.stage.index, str(p.layout), getattr(module, p.name).detach().cpu()) for p in t.main.params}
+
+
+def local_buffers(t: PipelineTrainer) -> dict[str, torch.Tensor]:
+    """The model's buffers by name, whole: this stage's (stored whole, updated by training) over
+    the initial values."""
+    out = dict(t.state)
+    module = t.main.module
+    for node in t.stage.plans[max(t.stage.plans)].graph.nodes:
+        if node.op == "buffer" and node.value is None and hasattr(module, node.name):
+            out[node.fqn] = getattr(module, node.name).detach().cpu()
+    return out
 
 
 def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[int, str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
