@@ -1,0 +1,70 @@
+"""A pipeline plan under the CLI: `hetsynth run --check` matches single-device training in
+float64, a killed rank of the second stage stops the run with that rank named, `hetsynth explain
+--rank` shows the stage and its action list; and on the shipped local-emulated cluster, where
+SPMD is predicted faster, `plan_stages` keeps the SPMD shape. Two ranks on one node, no
+emulation (torchrun on this machine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetsynth import capture_model, save_plan
+from instruction_set.cluster import load_cluster
+from instruction_set.models import parse_model_ref
+from instruction_set.plan import PlanShape
+from planner.pipeline import block_starts, make_pipeline_plan, plan_stages
+from planner.planner import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cluster = CLUSTER.first(2).model_copy(update={"emulation": None})
+    graph = capture_model("gpt:tiny")
+    spmd = make_plan(graph, cluster, ratios=[1.0, 1.0], width=8, progress=False, with_baselines=False)
+    cut, n = block_starts(graph)[1], len(graph.calls)
+    plan = make_pipeline_plan(spmd, parse_model_ref("gpt:tiny"), [(range(0, 1), (0, cut)), (range(1, 2), (cut, n))],
+                              num_micro=3, width=8)
+    path = tmp_path_factory.mktemp("pipeline") / "plan.json"
+    save_plan(plan, path)
+    return str(path)
+
+
+def hetsynth(*args: str, env: dict | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetsynth", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env=os.environ | (env or {}))
+
+
+@pytest.mark.timeout(300)
+def test_run_check_matches_single_device(plan_path: str) -> None:
+    out = hetsynth("run", plan_path, "--steps", "2", "--check")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "check: float64" in out.stdout and "OK" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_dead_rank_in_a_stage_is_named(plan_path: str) -> None:
+    out = hetsynth("run", plan_path, "--steps", "5", "--timeout", "10", env={"HETSYNTH_FAULT": "1:1:kill"})
+    assert out.returncode != 0
+    assert "hetsynth run: rank 1 failed: killed by SIGKILL" in out.stderr, out.stderr[-3000:]
+
+
+def test_explain_shows_the_stage_and_its_actions(plan_path: str) -> None:
+    out = hetsynth("explain", plan_path, "--rank", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 1: stage 1 of 2" in out.stdout and "micro-batches [3, 3, 2]" in out.stdout
+    assert "receives" in out.stdout and "  0 RECV_F mb 0 boundary 0" in out.stdout
+
+
+def test_spmd_stays_where_it_is_faster() -> None:
+    spmd = make_plan(capture_model("gpt:tiny"), CLUSTER, width=8, progress=False, with_baselines=False)
+    plan = plan_stages(spmd, parse_model_ref("gpt:tiny"), 2, width=8)
+    assert plan.pipeline is not None and plan.shape is PlanShape.SPMD
+    assert plan.pipeline.predicted.step_time_s >= spmd.predicted.step_time_s * 0.98
