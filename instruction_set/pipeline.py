@@ -17,16 +17,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from instruction_set.layouts import LayoutField
 from instruction_set.resharding import ReshardPlan
 from instruction_set.schedule import Action, Link, Schedule, check_actions
-
-if TYPE_CHECKING:
-    from instruction_set.plan import Plan
 
 
 class _Frozen(BaseModel):
@@ -40,7 +35,8 @@ class PipelineStage(_Frozen):
     calls: tuple[int, int]                 # [start, stop) over graph.calls
     inputs: tuple[str, ...]                # boundary tensors it receives
     outputs: tuple[str, ...]               # boundary tensors it sends
-    plans: dict[int, "Plan"]               # micro-batch size -> the stage's SPMD plan
+    plans: dict[int, "Plan"]  # noqa: F821  micro-batch size -> the stage's SPMD plan (instruction_set.plan
+    #                           resolves "Plan" when it defines it: this module does not import it)
 
     @property
     def ranks(self) -> range:
