@@ -75,11 +75,12 @@ ALL = tuple(Schedule)
 G, ONE, EAGER = (Schedule.GPIPE,), (Schedule.ONE_F_ONE_B,), (Schedule.EAGER_1F1B,)
 
 
-# every zoo tiny model with 2 and 3 stages; every schedule on GPT (tied embedding across stages),
-# one schedule each elsewhere, in turn (tests/test_pipeline_parity.py runs about 1 s per plan)
+# every zoo tiny model; 2 and 3 stages with every schedule on GPT (tied embedding across stages),
+# one shape and schedule each elsewhere, in turn, to keep the suite short (every model with 2 and 3
+# stages under every schedule passed when this was written: add the cases to rerun it)
 @pytest.mark.parametrize("model, num_stages, schedules", [
-    ("gpt", 2, ALL), ("gpt", 3, ALL), ("bert", 2, G), ("bert", 3, EAGER), ("vit", 2, ONE), ("vit", 3, G),
-    ("vgg", 2, EAGER), ("vgg", 3, ONE), ("moe", 2, EAGER), ("resnet", 3, ONE)])
+    ("gpt", 2, ALL), ("gpt", 3, ALL), ("bert", 3, EAGER), ("vit", 2, ONE), ("vgg", 3, G), ("moe", 2, EAGER),
+    ("resnet", 3, ONE)])
 def test_pipeline_parity(pools, model: str, num_stages: int, schedules: tuple[Schedule, ...]) -> None:
     plans = pipeline_plans(f"{model}:tiny,dtype=float64", num_stages, 3, schedules)
     coupled = model in ("moe", "resnet")  # their micro-batches would change the loss: one micro-batch
