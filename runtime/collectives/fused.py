@@ -1,0 +1,173 @@
+"""Communication fused with the matmul it feeds (CommFuse): the all-gather S(d) -> R before a
+matmul and the reduce-scatter P -> S(d) after one, decomposed into their g-1 ring steps on
+asynchronous point-to-point so that every transfer runs under a partial matmul.
+
+Tensors are in "front" layout: the chunk dim is dim 0 of every operand and result (callers
+move it there, runtime.collectives.span.to_front). Member j of the span owns rows
+[o_j, o_j + L_j) (lengths uneven, possibly 0; every rank knows all of them, so an empty
+transfer is skipped on both ends).
+
+AG -> matmul, ring, own chunk first (rank i of g, `compute(j, x_j)` makes output chunk j):
+
+    post step 1 (send x_i to i+1, receive x_{i-1} from i-1);  y_i = compute(i, x_i)
+    for s = 1..g-1:  wait step s;  post step s+1 (forward x_{i-s}, receive x_{i-s-1});
+                     y_{i-s} = compute(i-s, x_{i-s})
+    time ~ t_c(i) + sum_s max(t_c(i-s), t_p(s)): no tail.
+
+matmul -> RS, ring, own chunk last (`part(j)` makes this rank's summand of output chunk j); the
+ring runs the other way round (as runtime.collectives.scatter.scatter_ring), chunk j starting
+at member j+1 and travelling g-1 hops to j:
+
+    order_s = (i + s + 1) mod g  (s = 0..g-1; order_{g-1} = i)
+    acc = part(order_0);  post (send acc to i-1, receive buf from i+1)
+    for s = 1..g-1:  z = part(order_s);  wait;  acc = z + buf;  post the next step (s < g-1)
+    return acc                    = sum over members of their summand of chunk i
+
+k-slice baseline (`sliced`): every chunk split into k parts by largest remainder; slice t is
+one padded all_gather_single (resp. reduce_scatter_single) of every member's part t, async,
+overlapped with the matmul of slice t-1 (resp. t+1); slices empty on every member are skipped.
+
+Each point-to-point or collective work is waited exactly once (a second wait on a gloo
+point-to-point work can hang). Written by us: torch's async TP (torch.distributed
+._symmetric_memory) is CUDA only, for equal shards on symmetric memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from runtime.collectives.span import Span, pad_rows
+
+Compute = Callable[[int, torch.Tensor], torch.Tensor]   # (member j, rows of x_j) -> output chunk j
+Part = Callable[[int], torch.Tensor]                    # member j -> this rank's summand of chunk j
+
+
+def _post(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int) -> list[Any]:
+    """Post a ring step (send to the member `direction` ahead, receive from the one behind);
+    empty tensors are skipped. Returns the works, to be waited exactly once."""
+    g, i = span.size, span.index
+    ops = []
+    if send is not None and send.numel() > 0:
+        ops.append(dist.P2POp(dist.isend, send, span.members[(i + direction) % g], group=span.group))
+    if recv is not None and recv.numel() > 0:
+        ops.append(dist.P2POp(dist.irecv, recv, span.members[(i - direction) % g], group=span.group))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(output chunks in member order, the gathered x): the ring above, own chunk first."""
+    g, i = span.size, span.index
+    x = x.contiguous()
+    blocks: list[torch.Tensor] = [x] * g
+    for j, n in enumerate(span.lengths):
+        if j != i:
+            blocks[j] = x.new_empty(n, *x.shape[1:])
+    out: list[torch.Tensor | None] = [None] * g
+    works = _post(x, blocks[(i - 1) % g], span, 1) if g > 1 else []
+    out[i] = compute(i, x)
+    for s in range(1, g):
+        _wait(works)
+        j = (i - s) % g
+        works = _post(blocks[j], blocks[(j - 1) % g], span, 1) if s < g - 1 else []
+        out[j] = compute(j, blocks[j])
+    return out, torch.cat(blocks)  # type: ignore[return-value]
+
+
+def matmul_rs_ring(span: Span, part: Part) -> torch.Tensor:
+    """This rank's chunk of the sum over members of part(·): the ring above, own chunk last."""
+    g, i = span.size, span.index
+    order = [(i + s + 1) % g for s in range(g)]
+    acc = part(order[0]).contiguous()
+    works, buf = [], acc
+    for s in range(1, g):
+        buf = acc.new_empty(span.lengths[order[s]], *acc.shape[1:])
+        works = _post(acc, buf, span, -1)
+        z = part(order[s])
+        _wait(works)
+        acc = (z + buf).contiguous()
+    return acc
+
+
+def split_parts(n: int, k: int) -> list[int]:
+    """n rows into k parts by largest remainder (the first n mod k parts one longer)."""
+    return [n // k + (1 if t < n % k else 0) for t in range(k)]
+
+
+def _slices(span: Span, k: int) -> list[list[int]]:
+    """parts[j][t]: rows of member j's part t."""
+    return [split_parts(n, k) for n in span.lengths]
+
+
+def ag_matmul_sliced(x: torch.Tensor, span: Span, compute: Compute, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """k-slice baseline of ag_matmul_ring (same results): slice t's all-gather in flight while
+    slice t-1's rows are multiplied."""
+    parts = _slices(span, k)
+    rows = [max(p[t] for p in parts) for t in range(k)]
+    steps = [t for t in range(k) if rows[t] > 0]
+    offsets = [[sum(p[:t]) for t in range(k)] for p in parts]
+    mine = x.contiguous()
+
+    def post(t: int) -> tuple[Any, torch.Tensor]:
+        piece = pad_rows(mine.narrow(0, offsets[span.index][t], parts[span.index][t]), rows[t])
+        out = x.new_empty(span.size * rows[t], *x.shape[1:])
+        return dist.all_gather_single(out, piece.contiguous(), group=span.group, async_op=True), out
+
+    got: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    pending = post(steps[0]) if steps else None
+    for n, t in enumerate(steps):
+        work, out = pending  # type: ignore[misc]
+        work.wait()
+        pending = post(steps[n + 1]) if n + 1 < len(steps) else None
+        for j in range(span.size):
+            rows_j = out.narrow(0, j * rows[t], parts[j][t])
+            got[(j, t)] = (rows_j, compute(j, rows_j))
+    return _assemble(x, span, k, got, compute)
+
+
+def _assemble(x: torch.Tensor, span: Span, k: int, got: dict,
+              compute: Compute) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per member, its slices' rows and outputs in slice order (a member without rows in any
+    slice: compute on 0 rows)."""
+    chunks, full = [], []
+    for j in range(span.size):
+        pieces = [got[(j, t)] for t in range(k) if (j, t) in got]
+        if not pieces:
+            empty = x.new_empty(0, *x.shape[1:])
+            pieces = [(empty, compute(j, empty))]
+        full.append(torch.cat([p[0] for p in pieces]))
+        chunks.append(torch.cat([p[1] for p in pieces]))
+    return chunks, torch.cat(full)
+
+
+def matmul_rs_sliced(span: Span, part_rows: Callable[[int, int, int], torch.Tensor], k: int) -> torch.Tensor:
+    """k-slice baseline of matmul_rs_ring: for slice t, this rank's summands of every member's
+    part t (`part_rows(j, start, rows)`: rows [start, start+rows) of chunk j's summand), padded
+    and reduce-scattered async while slice t+1's partials are computed."""
+    parts = _slices(span, k)
+    rows = [max(p[t] for p in parts) for t in range(k)]
+    offsets = [[sum(p[:t]) for t in range(k)] for p in parts]
+    works, outs = [], []
+    for t in (t for t in range(k) if rows[t] > 0):
+        summand = torch.cat([pad_rows(part_rows(j, offsets[j][t], parts[j][t]), rows[t])
+                             for j in range(span.size)]).contiguous()
+        out = summand.new_empty(rows[t], *summand.shape[1:])
+        works.append(dist.reduce_scatter_single(out, summand, op=dist.ReduceOp.SUM, group=span.group,
+                                                async_op=True))
+        outs.append(out[:parts[span.index][t]])
+    _wait(works)
+    if not outs:
+        return part_rows(span.index, 0, 0)
+    return torch.cat(outs)
+
+
+def chunk_rows(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """x's rows split by member (views)."""
+    return list(x.split(list(lengths)))
