@@ -53,10 +53,10 @@ def ag_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
     w = torch.randn(case["out"], case["hidden"], generator=g)
     full = torch.randn(sum(lengths), case["hidden"], generator=g)
 
-    def compute(j: int, rows: torch.Tensor) -> torch.Tensor:
+    def compute(j: int, start: int, rows: torch.Tensor) -> torch.Tensor:
         return rows @ w.t()
 
-    return {"matmul": lambda: [compute(j, full.narrow(0, offsets[j], n)) for j, n in enumerate(lengths)],
+    return {"matmul": lambda: [compute(j, 0, full.narrow(0, offsets[j], n)) for j, n in enumerate(lengths)],
             "unfused": lambda: gather_padded(x, span) @ w.t(),
             "sliced2": lambda: ag_matmul_sliced(x, span, compute, 2),
             "sliced4": lambda: ag_matmul_sliced(x, span, compute, 4),

@@ -9,7 +9,7 @@ and what sort of work it is (`Category`):
   compute        an op on local shards
   communication  a collective (later point-to-point) along a mesh axis
   local          a layout change without communication (slice, partial)
-  fused          communication and compute in one instruction (sfb; later ag_matmul, matmul_rs)
+  fused          communication and compute in one instruction (sfb, ag_matmul, matmul_rs)
 
     kind            category       pattern      variants                adjoint
     all_gather      communication  S(d) -> R    padded, grouped, ring   reduce_scatter
@@ -20,6 +20,8 @@ and what sort of work it is (`Category`):
     slice           local          R -> S(d)    local                   - (backward zero-pads, local)
     partial         local          R -> P       local                   - (backward masks, local)
     sfb             fused          backward of a linear: dW rebuilt from all-gathered factors
+    ag_matmul       fused          S(d) -> R    ring, sliced2, sliced4  matmul_rs (all-gather feeding a linear)
+    matmul_rs       fused          P -> S(d)    ring, sliced2, sliced4  ag_matmul (a linear's Partial, scattered)
 
 Layers register their implementation of a kind in an `Implementations` registry (the cost
 model its cost term, the runtime its emitter and conversion), the way rules register for ops;
@@ -164,6 +166,7 @@ class Implementations(Generic[F]):
 
 
 GATHER_VARIANTS = ("padded", "grouped", "ring")
+FUSED_VARIANTS = ("ring", "sliced2", "sliced4")  # CommFuse's ring, and k-slicing (one collective per slice)
 _R, _S, _P, _PMAX = PlacementKind.REPLICATE, PlacementKind.SHARD, PlacementKind.PARTIAL, PlacementKind.PARTIAL_MAX
 BOTH = frozenset({Phase.FORWARD, Phase.BACKWARD})
 
@@ -174,6 +177,10 @@ for _k in (
     InstructionKind("compute", Category.COMPUTE, doc="the op of `node` on local shards (layouts from its rule)"),
     InstructionKind("sfb", Category.FUSED, variants=GATHER_VARIANTS, phases=frozenset({Phase.BACKWARD}),
                     doc="backward of a linear: the replicated weight's gradient rebuilt from all-gathered factors"),
+    InstructionKind("ag_matmul", Category.FUSED, _S, _R, FUSED_VARIANTS, "matmul_rs",
+                    doc="a linear whose first input is all-gathered S(d) -> R in ring steps under its chunks' matmuls"),
+    InstructionKind("matmul_rs", Category.FUSED, _P, _S, FUSED_VARIANTS, "ag_matmul",
+                    doc="a linear whose Partial output is reduce-scattered P -> S(d) in ring steps under its chunks' matmuls"),
     InstructionKind("all_gather", Category.COMMUNICATION, _S, _R, GATHER_VARIANTS, "reduce_scatter"),
     InstructionKind("reduce_scatter", Category.COMMUNICATION, _P, _S, GATHER_VARIANTS, "all_gather"),
     InstructionKind("all_reduce", Category.COMMUNICATION, _P, _R, ("ring", "hierarchical"), "all_reduce", BOTH,

@@ -155,11 +155,11 @@ def _used_layouts(plan: PlanParts) -> list[tuple[str, Layout, str]]:
     out = []
     for ins in plan.instructions:
         out.append((ins.tensor, ins.layout, ins.describe()))
+        if ins.runs_op and ins.node not in inputs:
+            raise ValueError(f"instruction {ins.describe()}: no op {ins.node!r} in the plan's graph")
         if ins.src is not None:
-            out.append((ins.tensor, ins.src, ins.describe()))
-        if ins.kind == "compute":
-            if ins.node not in inputs:
-                raise ValueError(f"instruction {ins.describe()}: no op {ins.node!r} in the plan's graph")
+            out.append((ins.src_tensor(inputs.get(ins.node, ())), ins.src, ins.describe()))
+        if ins.runs_op:
             out += [(t, layout, ins.describe()) for t, layout in zip(inputs[ins.node], ins.inputs)]
     return out
 

@@ -7,6 +7,14 @@ runs the op of `node` on local shards, inputs in the layouts `inputs` (one per N
 entry), with the rule's local rewrite; sfb (backward of the linear `node`) rebuilds the full
 gradient of the replicated weight `tensor` from all-gathered factors.
 
+A fused instruction (CommFuse, runtime.collectives.fused) runs a linear `node` (output
+`tensor` in `layout`, inputs in `inputs`, rewrite `local`) together with the collective
+feeding or fed by it, along `axis`, with `variant` ring / sliced2 / sliced4:
+  ag_matmul   its first input is held in `src` (S(d)) and all-gathered to `inputs[0]` (R)
+              chunk by chunk under the matmul; the gathered input is made available too
+  matmul_rs   the rule's output `src` (P) is reduce-scattered to `layout` (S(d)) chunk by
+              chunk; a `once:` bias is added after the scatter
+
 Gradient synchronisation of a replicated parameter is an `all_reduce` with
 `phase == "backward"` on the parameter (gradients are all-reduced in buckets of 25 MiB,
 with the ring or hierarchical algorithm named by the variant). `axis` is the mesh axis a collective runs along (instruction_set.mesh): "all"
@@ -31,6 +39,7 @@ from instruction_set.mesh import MeshAxis
 Kind = Annotated[str, AfterValidator(known_kind)]  # a registered kind (instruction_set.kinds)
 
 COLLECTIVES = tuple(k.name for k in kinds(Category.COMMUNICATION))
+FUSED_MATMULS = ("ag_matmul", "matmul_rs")  # a linear fused with the collective feeding it / fed by it
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket (DDP's default bucket_cap_mb): cost and runtime
 
@@ -52,8 +61,23 @@ class Instruction(BaseModel):
     alternatives: dict[str, float] = Field(default_factory=dict)
     recompute: str = ""  # the recomputed block this instruction runs in (instruction_set.blocks), if any
 
+    @property
+    def runs_op(self) -> bool:
+        """Whether the instruction runs the op of `node` on inputs in `inputs` (compute, and a
+        linear fused with its collective)."""
+        return self.kind == "compute" or self.kind in FUSED_MATMULS
+
+    def src_tensor(self, node_inputs: tuple[str, ...] | list[str]) -> str:
+        """The tensor `src` is a layout of: the gathered input for ag_matmul (`node_inputs`:
+        the inputs of `node`), else `tensor`."""
+        return node_inputs[0] if self.kind == "ag_matmul" else self.tensor
+
     def describe(self) -> str:
         category = instruction_kind(self.kind).category
+        if self.kind in FUSED_MATMULS:
+            axis = f" over {self.axis} axis" if self.axis != "all" else ""
+            return (f"{self.tensor}:{self.layout} = {self.kind}[{self.variant}] {self.node}"
+                    f"({', '.join(map(str, self.inputs))}) from {self.src}{axis}")
         if category is Category.COMPUTE:
             return f"{self.tensor}:{self.layout} = {self.node}({', '.join(map(str, self.inputs))})"
         if category is Category.STORAGE:

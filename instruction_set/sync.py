@@ -64,7 +64,7 @@ def first_uses(graph: ReferenceGraph, program: Sequence[Instruction]) -> dict[st
     """Parameter -> (index of the first compute instruction reading it, that node)."""
     out: dict[str, tuple[int, str]] = {}
     for i, ins in enumerate(program):
-        if ins.kind != "compute":
+        if not ins.runs_op:
             continue
         for name in graph.node(ins.node).inputs:
             out.setdefault(name, (i, ins.node))

@@ -110,7 +110,7 @@ def instruction_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]
 
 def first_input_layouts(program: Sequence[Instruction]) -> dict[str, Layout]:
     """Op -> the layout its first input is read in (SFB's costs depend on it)."""
-    return {i.node: i.inputs[0] for i in program if i.kind == "compute" and i.inputs}
+    return {i.node: i.inputs[0] for i in program if i.runs_op and i.inputs}
 
 
 def step_time(terms: Sequence[Term]) -> float:

@@ -293,8 +293,8 @@ def shard_table(pb: Problem, program: Sequence[Instruction]) -> ShardTable:
     for ins in program:
         add(ins.tensor, ins.layout)
         if ins.src is not None:
-            add(ins.tensor, ins.src)
-        if ins.kind == "compute":
+            add(ins.src_tensor(pb.graph.node(ins.node).inputs if ins.node else ()), ins.src)
+        if ins.runs_op:
             for t, layout in zip(pb.graph.node(ins.node).inputs, ins.inputs):
                 add(t, layout)
     return table

@@ -195,7 +195,7 @@ def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket])
     """p_b: the instruction whose backward completes bucket b (the first use of its parameters)."""
     first: dict[str, int] = {}
     for i, ins in enumerate(program):
-        if ins.kind == "compute":
+        if ins.runs_op:
             first.setdefault(ins.node, i)
     return [first.get(b.ready_after, 0) for b in buckets]
 

@@ -1,5 +1,6 @@
 """CommFuse on real gloo process groups (world sizes 2, 3, 4; one pool call per world size,
 every case inside it): the fused rings and the k-slice baseline (runtime.collectives.fused)
+and the autograd functions with fused adjoints (runtime.fused_ops: forward and backward)
 equal the unfused pair in float64, for even, uneven and zero-length chunks (first, middle,
 last, all but one)."""
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from runtime.collectives.fused import ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring, matmul_rs_sliced
 from runtime.collectives.span import Span
+from runtime.fused_ops import AGLinear, LinearRS
 
 LENGTHS = {2: [(3, 2), (0, 4), (5, 0), (1, 1)],
            3: [(2, 0, 3), (0, 0, 5), (1, 2, 3), (7, 1, 0), (2, 2, 2)],
@@ -34,7 +36,7 @@ def kernel_case(rank: int, world: int, lengths: tuple[int, ...]) -> float:
     errs = []
     for run in (lambda f: ag_matmul_ring(x, span, f), lambda f: ag_matmul_sliced(x, span, f, 2),
                 lambda f: ag_matmul_sliced(x, span, f, 4)):
-        chunks, x_full = run(lambda j, rows: rows @ w.t())
+        chunks, x_full = run(lambda j, start, rows: rows @ w.t())
         errs += [err(torch.cat(chunks), full @ w.t()), err(x_full, full)]
     mine = _rand(10 + rank, sum(lengths), 5)
     expected = sum(_rand(10 + r, sum(lengths), 5) @ w.t() for r in range(world))
@@ -46,12 +48,49 @@ def kernel_case(rank: int, world: int, lengths: tuple[int, ...]) -> float:
     return max(errs)
 
 
-def kernel_cases(rank: int, world: int) -> list[float]:
-    return [kernel_case(rank, world, lengths) for lengths in LENGTHS[world]]
+def ag_linear_case(rank: int, world: int, lengths: tuple[int, ...], variant: str) -> float:
+    """AGLinear on x (2, T, 4) split along dim 1, forward and backward, against the unfused
+    pair computed whole; every rank's gradients of y and x_full differ (x_full's readers)."""
+    span = Span(dist.group.WORLD, tuple(range(world)), rank, 1, lengths)
+    full, w, b = _rand(0, 2, sum(lengths), 4), _rand(1, 3, 4), _rand(2, 3)
+    x = full.narrow(1, span.offset(rank), lengths[rank]).clone().requires_grad_()
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    y, x_full = AGLinear.apply(x, wl, bl, span, variant)
+    gy, gx = [_rand(10 + r, 2, sum(lengths), 3) for r in range(world)], [_rand(20 + r, *full.shape) for r in range(world)]
+    ((y * gy[rank]).sum() + (x_full * gx[rank]).sum()).backward()
+    dx = sum(g @ w + h for g, h in zip(gy, gx)).narrow(1, span.offset(rank), lengths[rank])
+    return max(err(y, torch.nn.functional.linear(full, w, b)), err(x_full, full), err(x.grad, dx),
+               err(wl.grad, gy[rank].reshape(-1, 3).t() @ full.reshape(-1, 4)),
+               err(bl.grad, gy[rank].reshape(-1, 3).sum(0)))
+
+
+def linear_rs_case(rank: int, world: int, lengths: tuple[int, ...], variant: str) -> float:
+    """LinearRS: every rank's x (2, T, 4) and W (3, 4) summed, scattered along dim 1 (+ b)."""
+    span = Span(dist.group.WORLD, tuple(range(world)), rank, 1, lengths)
+    xs, ws, b = [_rand(30 + r, 2, sum(lengths), 4) for r in range(world)], [_rand(40 + r, 3, 4) for r in range(world)], _rand(2, 3)
+    x, w, bl = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_(), b.clone().requires_grad_()
+    y = LinearRS.apply(x, w, bl, span, variant)
+    whole = sum(a @ c.t() for a, c in zip(xs, ws)) + b
+    grad = _rand(50, *whole.shape)  # the gradient of the whole y; each rank holds its rows
+    mine = lambda t: t.narrow(1, span.offset(rank), lengths[rank])
+    (y * mine(grad)).sum().backward()
+    return max(err(y, mine(whole)), err(x.grad, grad @ ws[rank]),
+               err(w.grad, grad.reshape(-1, 3).t() @ xs[rank].reshape(-1, 4)), err(bl.grad, mine(grad).reshape(-1, 3).sum(0)))
+
+
+def all_cases(rank: int, world: int) -> list[float]:
+    out = [kernel_case(rank, world, lengths) for lengths in LENGTHS[world]]
+    for variant in ("ring", "sliced2", "sliced4"):
+        out += [max(ag_linear_case(rank, world, lengths, variant), linear_rs_case(rank, world, lengths, variant))
+                for lengths in LENGTHS[world]]
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_fused_kernels_equal_the_unfused_pair(pools, world: int) -> None:
-    per_rank = pools.get(world).run(kernel_cases)
-    for i, lengths in enumerate(LENGTHS[world]):
-        assert max(r[i] for r in per_rank) < 1e-12, lengths
+def test_fused_kernels_and_autograd_equal_the_unfused_pair(pools, world: int) -> None:
+    """Each case's largest error over ranks: kernels, then AGLinear/LinearRS per variant."""
+    per_rank = pools.get(world).run(all_cases)
+    names = [f"kernels {l}" for l in LENGTHS[world]] + [f"{v} {l}" for v in ("ring", "sliced2", "sliced4")
+                                                         for l in LENGTHS[world]]
+    for i, name in enumerate(names):
+        assert max(r[i] for r in per_rank) < 1e-12, name

@@ -7,7 +7,8 @@ move it there, runtime.collectives.span.to_front). Member j of the span owns row
 [o_j, o_j + L_j) (lengths uneven, possibly 0; every rank knows all of them, so an empty
 transfer is skipped on both ends).
 
-AG -> matmul, ring, own chunk first (rank i of g, `compute(j, x_j)` makes output chunk j):
+AG -> matmul, ring, own chunk first (rank i of g, `compute(j, start, rows)` makes the output of
+rows [start, start + len) of chunk j; the ring passes whole chunks, start 0):
 
     post step 1 (send x_i to i+1, receive x_{i-1} from i-1);  y_i = compute(i, x_i)
     for s = 1..g-1:  wait step s;  post step s+1 (forward x_{i-s}, receive x_{i-s-1});
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from runtime.collectives.span import Span, pad_rows
 
-Compute = Callable[[int, torch.Tensor], torch.Tensor]   # (member j, rows of x_j) -> output chunk j
+Compute = Callable[[int, int, torch.Tensor], torch.Tensor]  # (member j, first row in x_j, rows) -> their output
 Part = Callable[[int], torch.Tensor]                    # member j -> this rank's summand of chunk j
 
 
@@ -72,12 +73,12 @@ def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute) -> tuple[list[
             blocks[j] = x.new_empty(n, *x.shape[1:])
     out: list[torch.Tensor | None] = [None] * g
     works = _post(x, blocks[(i - 1) % g], span, 1) if g > 1 else []
-    out[i] = compute(i, x)
+    out[i] = compute(i, 0, x)
     for s in range(1, g):
         _wait(works)
         j = (i - s) % g
         works = _post(blocks[j], blocks[(j - 1) % g], span, 1) if s < g - 1 else []
-        out[j] = compute(j, blocks[j])
+        out[j] = compute(j, 0, blocks[j])
     return out, torch.cat(blocks)  # type: ignore[return-value]
 
 
@@ -128,7 +129,7 @@ def ag_matmul_sliced(x: torch.Tensor, span: Span, compute: Compute, k: int) -> t
         pending = post(steps[n + 1]) if n + 1 < len(steps) else None
         for j in range(span.size):
             rows_j = out.narrow(0, j * rows[t], parts[j][t])
-            got[(j, t)] = (rows_j, compute(j, rows_j))
+            got[(j, t)] = (rows_j, compute(j, offsets[j][t], rows_j))
     return _assemble(x, span, k, got, compute)
 
 
@@ -141,7 +142,7 @@ def _assemble(x: torch.Tensor, span: Span, k: int, got: dict,
         pieces = [got[(j, t)] for t in range(k) if (j, t) in got]
         if not pieces:
             empty = x.new_empty(0, *x.shape[1:])
-            pieces = [(empty, compute(j, empty))]
+            pieces = [(empty, compute(j, 0, empty))]
         full.append(torch.cat([p[0] for p in pieces]))
         chunks.append(torch.cat([p[1] for p in pieces]))
     return chunks, torch.cat(full)

@@ -1,0 +1,126 @@
+"""A linear fused with the collective feeding it or fed by it (CommFuse), as autograd
+functions whose backward is the fused adjoint (runtime.collectives.fused for the kernels).
+
+`y = x W^T + b` over the last dim; the chunks are the rows of dim `span.dim` of x (a batch or
+token dim, kept in y at the same place), member j's L_j rows (uneven, possibly 0).
+
+AGLinear (instruction ag_matmul): x held S(d), gathered to R under the matmul.
+    forward    (y, x_full), y = linear(x_full) chunk by chunk, own chunk first
+    backward   given dy and dx_other (the gradient later readers of x_full add):
+               dx_j = dy_j W + dx_other_j, reduce-scattered by the matmul_rs ring (the
+               adjoint of the gather), own chunk last; dW = dy^T x_full, db = sum dy (local)
+LinearRS (instruction matmul_rs): x holds this rank's slice of the contraction, y = the sum over
+the group of x W^T, reduce-scattered to this rank's rows, plus the bias (once, after the sum).
+    backward   dy_j gathered by the ag_matmul ring, own chunk first; as chunk j arrives,
+               dx[rows of j] = dy_j W and dW += dy_j^T x[rows of j]; db = sum of the local dy
+               (the parameter's gradient sync adds the members')
+
+Variants: ring (CommFuse), sliced2 / sliced4 (k-slicing, one collective per slice). The
+backward uses the variant of the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.collectives import fused as K
+from runtime.collectives.span import Span, from_front, to_front
+
+
+def _slices(variant: str) -> int:
+    return 0 if variant == "ring" else int(variant.removeprefix("sliced"))
+
+
+def gather_compute(x: torch.Tensor, span: Span, variant: str,
+                   compute: K.Compute) -> tuple[list[torch.Tensor], torch.Tensor]:
+    k = _slices(variant)
+    return K.ag_matmul_ring(x, span, compute) if k == 0 else K.ag_matmul_sliced(x, span, compute, k)
+
+
+def compute_scatter(span: Span, variant: str, part_rows: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+    k = _slices(variant)
+    if k == 0:
+        return K.matmul_rs_ring(span, lambda j: part_rows(j, 0, span.lengths[j]))
+    return K.matmul_rs_sliced(span, part_rows, k)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class AGLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, span: Span,
+                variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        chunks, full = gather_compute(to_front(x, span.dim), span, variant, lambda j, s, rows: F.linear(rows, w, b))
+        ctx.save_for_backward(full, w)
+        ctx.span, ctx.variant, ctx.bias = span, variant, b is not None
+        return from_front(torch.cat(chunks), span.dim), from_front(full, span.dim)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None, dx_other: torch.Tensor | None) -> tuple:
+        full, w = ctx.saved_tensors
+        span = ctx.span
+        dy_f = to_front(dy, span.dim) if dy is not None else full.new_zeros(*full.shape[:-1], w.shape[0])
+        other = to_front(dx_other, span.dim) if dx_other is not None else None
+        offsets = [span.offset(j) for j in range(span.size)]
+
+        def part_rows(j: int, start: int, n: int) -> torch.Tensor:
+            out = dy_f.narrow(0, offsets[j] + start, n) @ w
+            return out if other is None else out + other.narrow(0, offsets[j] + start, n)
+
+        dx = from_front(compute_scatter(span, ctx.variant, part_rows), span.dim)
+        dw = _flat(dy_f).t() @ _flat(full)
+        db = _flat(dy_f).sum(0) if ctx.bias else None
+        return dx, dw, db, None, None
+
+
+class LinearRS(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, span: Span,
+                variant: str) -> torch.Tensor:
+        xf = to_front(x, span.dim)
+        offsets = [span.offset(j) for j in range(span.size)]
+        y = compute_scatter(span, variant, lambda j, s, n: F.linear(xf.narrow(0, offsets[j] + s, n), w))
+        ctx.save_for_backward(xf, w)
+        ctx.span, ctx.variant, ctx.bias = span, variant, b is not None
+        y = from_front(y, span.dim)
+        return y + b if b is not None else y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        xf, w = ctx.saved_tensors
+        span = ctx.span
+        offsets = [span.offset(j) for j in range(span.size)]
+        dw = torch.zeros_like(w)
+
+        def compute(j: int, start: int, rows: torch.Tensor) -> torch.Tensor:
+            dw.add_(_flat(rows).t() @ _flat(xf.narrow(0, offsets[j] + start, rows.shape[0])))
+            return rows @ w
+
+        dy_f = to_front(dy, span.dim)
+        chunks, _ = gather_compute(dy_f, span, ctx.variant, compute)
+        db = _flat(dy_f).sum(0) if ctx.bias else None
+        return from_front(torch.cat(chunks), span.dim), dw, db, None, None
+
+
+class FusedLinear(nn.Module):
+    """One fused instruction of a rank's program: `ag_matmul` returns (y, x_full), `matmul_rs`
+    returns y (module docstring)."""
+
+    def __init__(self, kind: str, span: Span, variant: str) -> None:
+        super().__init__()
+        assert kind in ("ag_matmul", "matmul_rs"), kind
+        self.kind, self.span, self.variant = kind, span, variant
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Any:
+        fn = AGLinear if self.kind == "ag_matmul" else LinearRS
+        return fn.apply(x, w, b, self.span, self.variant)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.span.describe()}, variant={self.variant}"
