@@ -35,7 +35,7 @@ from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientS
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 PLAN_CHANGES: dict[int, str] = {
     1: "the first format",
     2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
@@ -45,6 +45,8 @@ PLAN_CHANGES: dict[int, str] = {
     3: "pipeline plans: `shape` (spmd or pipeline) says what `hetsynth run` executes; `pipeline` holds the "
        "stages (each with its SPMD plan per micro-batch size), boundaries with their resharding plans, "
        "micro-batches and the schedule's action lists; the SPMD fields stay the best SPMD plan",
+    4: "fused collective-matmul instructions ag_matmul and matmul_rs (variants ring, sliced2, sliced4; issue 18); "
+       "plans of versions 2 and 3 read unchanged",
 }
 
 
@@ -180,11 +182,13 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
     if not isinstance(raw, dict) or "version" not in raw:
         raise PlanError(f"{source} is not a hetsynth plan (no 'version' field)")
+    if raw["version"] == 2:
+        raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] == 1:
         raw = _from_version_1(raw)
         log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
                     PLAN_CHANGES[2])
-    if raw["version"] == 2:  # an SPMD plan: version 3 only adds the pipeline fields
+    if raw["version"] in (2, 3):  # version 3 added the pipeline fields, 4 the fused kinds
         raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] != PLAN_VERSION:
         raise PlanError(

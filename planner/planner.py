@@ -48,6 +48,7 @@ from planner.feasibility import PlanInfeasible, check_training_state_fits
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 from planner.recompute import fit_by_recompute
+from planner.fusions import fuse_program, unfuse_program
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
 
@@ -323,12 +324,17 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
         log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,
                  best.prediction.step_time_s * 1e3)
     pb = best.problem
-    prediction, sync = (best.prediction, best.sync) if bucket_cap is None else predict_program(pb, best.program,
-                                                                                                 bucket_cap)
+    program = list(best.program)
+    if pb.restrictions.allow_fusion:
+        program = fuse_program(pb, program, force=pb.restrictions.force_fusion)
+    if bucket_cap is None and len(program) == len(best.program):
+        prediction, sync = best.prediction, best.sync
+    else:
+        prediction, sync = predict_program(pb, program, bucket_cap)
     return Plan(
         model=model_info(graph), cluster=cluster, mesh=pb.mesh,
         graph=graph, sharding_ratios=best.ratios,
-        shards=shard_table(pb, best.program), instructions=finalize(pb, best.program),
+        shards=shard_table(pb, program), instructions=finalize(pb, program),
         predicted=prediction, gradient_sync=sync,
         baselines=baselines.all_baselines(graph, cluster, width=width) if with_baselines else {},
         synthesis=SynthesisStats(seconds=seconds, search_seconds=stats.search_s,
@@ -336,6 +342,16 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
                                  rounds=stats.rounds, heuristic="compute suffix + pending conversions",
                                  exact=stats.exact),
     )
+
+
+def without_fusion(plan: Plan) -> Plan:
+    """The same plan with every fused collective-matmul as its plain pair (same layouts,
+    ratios and shard lengths), re-predicted: the control of bench/overlap.py."""
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
+    program = unfuse_program(pb, plan.instructions)
+    prediction, sync = predict_program(pb, program, plan.gradient_sync.bucket_cap_bytes if plan.gradient_sync else None)
+    return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
+                                   "gradient_sync": sync})
 
 
 def without_sfb(plan: Plan) -> Plan:

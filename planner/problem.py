@@ -88,6 +88,8 @@ class Restrictions:
     two_level: bool = True                       # allow two-level layouts
     allow_sfb: bool = True
     force_sfb: bool = False                      # SFB wherever it applies, even if dearer
+    allow_fusion: bool = True                    # fused collective-matmuls (planner.fusions)
+    force_fusion: bool = False                   # every fusable pair fused, even if dearer
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     force: dict[str, Layout] = field(default_factory=dict)  # tensor -> layout it is made in
 

@@ -54,8 +54,9 @@ from cost_models.linear_cost import LinearCost
 from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
 from instruction_set.kinds import Category, Phase
 from instruction_set.plan import Prediction
-from instruction_set.program import COLLECTIVES, Instruction
+from instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
 from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, SYNC_MESSAGES, GradBucket, GradientSync, assign_buckets
+from planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.problem import Problem
 from planner.recompute import recompute_memory
@@ -139,9 +140,13 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         backward.append(None)
         if term is None:
             continue
-        assert isinstance(term.time, Form), "instruction terms are single forms"
+        assert isinstance(term.time, Form) or ins.kind in FUSED_MATMULS, "instruction terms are single forms"
         if ins.kind == "param":
             post.append(term)
+            continue
+        if ins.kind in FUSED_MATMULS:  # Series(forward, backward): planner.fusions
+            ahead_cost, backward[-1] = term.time.parts  # type: ignore[union-attr]
+            forward.append(Term(ahead_cost, term.memory, term.memory_at))
             continue
         backward[-1] = _scaled(term.time, backward_share(pb, ins))
         ahead = _scaled(term.time, forward_share(pb, ins))

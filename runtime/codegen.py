@@ -9,6 +9,8 @@ instructions are emitted in order:
   compute          the op on local shards, via instruction_set.local.emit_local (the code path
                    the single-process rule tests check), or an SFB linear
   collectives      a call to a Conversion module (runtime.conversions)
+  ag_matmul /      a linear fused with its all-gather / reduce-scatter, one FusedLinear call
+  matmul_rs        (runtime.fused_ops); ag_matmul's gathered input is its second result
   recomputed block the instructions of a unit the plan recomputes, as one checkpointed call
                    (runtime.recompute)
   buffer update    `copy_(buffer, new)` is not run in the forward: the program returns the
@@ -26,6 +28,7 @@ parameters to optimise; `RankProgram.params` tells how each synchronises its gra
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -44,6 +47,7 @@ from instruction_set.program import Instruction
 from instruction_set.rules.state import BUFFER_UPDATE
 from instruction_set.shards import MeshLayout
 from runtime.conversions import make_conversion, span
+from runtime.fused_ops import FusedLinear
 from runtime.groups import Groups
 from runtime.recompute import emit_unit
 from runtime.sfb import SFBLinearModule
@@ -182,6 +186,23 @@ class _Emitter:
         self.root.add_module(name, make_conversion(self.plan, self.groups, ins))
         self.env[(ins.tensor, ins.layout)] = self.graph.call_module(name, (self.env[(ins.tensor, ins.src)],))
 
+    def fused(self, ins: Instruction) -> None:
+        """ag_matmul / matmul_rs: the linear and its collective as one FusedLinear call
+        (runtime.fused_ops); ag_matmul also makes the gathered input available."""
+        node = self.plan.graph.node(ins.node)
+        x = node.inputs[0]
+        values = [self.env[(x, ins.src)] if i == 0 and ins.kind == "ag_matmul" else self.env[(t, l)]
+                  for i, (t, l) in enumerate(zip(node.inputs, ins.inputs))]
+        tensor, layout = (x, ins.src) if ins.kind == "ag_matmul" else (ins.tensor, ins.layout)
+        name = f"{ins.kind}_{node.name}"
+        self.root.add_module(name, FusedLinear(ins.kind, span(self.plan, self.groups, tensor, layout, ins.axis),
+                                               ins.variant))
+        out = self.graph.call_module(name, tuple(values))
+        if ins.kind == "ag_matmul":
+            self.env[(x, ins.inputs[0])] = self.graph.call_function(operator.getitem, (out, 1))
+            out = self.graph.call_function(operator.getitem, (out, 0))
+        self.env[(ins.tensor, ins.layout)] = out
+
     def emit(self) -> RankProgram:
         missing = EMITTERS.missing((i.kind, i.phase, None) for i in self.plan.instructions)
         if missing:
@@ -228,6 +249,7 @@ EMITTERS.implements("param", "buffer")(_Emitter.storage)
 EMITTERS.register("input", _Emitter.data_input)
 EMITTERS.register("compute", _Emitter.compute)
 EMITTERS.implements(*(k.name for k in kinds(Category.COMMUNICATION) + kinds(Category.LOCAL)))(_Emitter.conversion)
+EMITTERS.implements("ag_matmul", "matmul_rs")(_Emitter.fused)
 EMITTERS.register("sfb", _built_with_its_linear, phase=Phase.BACKWARD)
 EMITTERS.register("all_reduce", _recorded_on_its_param, phase=Phase.BACKWARD)
 

@@ -21,6 +21,7 @@ backward uses the variant of the forward.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -49,7 +50,8 @@ def compute_scatter(span: Span, variant: str, part_rows: Callable[[int, int, int
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    """(rows, last dim): every dim but the last flattened (a last dim of 0 allowed)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class AGLinear(torch.autograd.Function):

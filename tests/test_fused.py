@@ -6,6 +6,9 @@ last, all but one)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +16,8 @@ import torch.distributed as dist
 from runtime.collectives.fused import ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring, matmul_rs_sliced
 from runtime.collectives.span import Span
 from runtime.fused_ops import AGLinear, LinearRS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LENGTHS = {2: [(3, 2), (0, 4), (5, 0), (1, 1)],
            3: [(2, 0, 3), (0, 0, 5), (1, 2, 3), (7, 1, 0), (2, 2, 2)],
@@ -94,3 +99,42 @@ def test_fused_kernels_and_autograd_equal_the_unfused_pair(pools, world: int) ->
                                                          for l in LENGTHS[world]]
     for i, name in enumerate(names):
         assert max(r[i] for r in per_rank) < 1e-12, name
+
+
+# -- inside plans: the zoo's tiny models trained 5 AdamW steps in float64 (tests/test_parity.py) --
+
+def _tp_plan(ref: str, ratios: list[float], **restrict: object) -> "Plan":
+    """Megatron-style tensor-parallel MLPs with the residual stream split by batch: every fc1
+    reads an all-gathered activation, every fc2's Partial is reduce-scattered; fusion forced."""
+    from test_parity import make, nodes
+    from hetsynth import capture_model
+    from planner.problem import Restrictions
+
+    graph = capture_model(ref)
+    force = {n: "S2" for n in nodes(graph, "aten.linear.default", "fc1")}
+    force |= {n: "P" for n in nodes(graph, "aten.linear.default", "fc2")}
+    force |= {n: "S0" for n in nodes(graph, "aten.add.Tensor", "blocks")}
+    return make(ref, ratios, Restrictions(force=force, two_level=False, force_fusion=True, **restrict))
+
+
+PLANS = [("gpt", [0.55, 0.45], {}), ("gpt", [0.5, 0.0, 0.5], {"variants": {"ag_matmul": ("sliced2",),
+                                                                           "matmul_rs": ("sliced4",)}}),
+         ("gpt", [0.5, 0.3, 0.2, 0.0], {})]
+
+
+@pytest.mark.parametrize("model,ratios,restrict", PLANS)
+def test_fused_instructions_in_plans_train_like_one_device(pools, model, ratios, restrict) -> None:
+    from test_parity import check
+    from planner.planner import without_fusion
+
+    plan = _tp_plan(f"{model}:tiny,dtype=float64", ratios, **restrict)
+    fused = [i for i in plan.instructions if i.kind in ("ag_matmul", "matmul_rs")]
+    assert {i.kind for i in fused} == {"ag_matmul", "matmul_rs"}, [i.describe() for i in plan.instructions]
+    assert not any(i.kind in ("all_gather", "reduce_scatter") and i.tensor in {f.tensor for f in fused}
+                   for i in plan.instructions)
+    for ins in fused:
+        assert set(ins.alternatives) >= {"unfused", ins.variant}
+    plain = without_fusion(plan)
+    assert not any(i.kind in ("ag_matmul", "matmul_rs") for i in plain.instructions)
+    assert len(plain.instructions) == len(plan.instructions) + len(fused)
+    check(pools, plan)

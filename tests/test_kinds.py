@@ -102,6 +102,6 @@ def test_running_a_kind_without_codegen_fails_before_emitting(plan: hetsynth.Pla
 
 def test_a_plan_with_an_unknown_kind_does_not_load(plan: hetsynth.Plan) -> None:
     raw = plan.model_dump(mode="json")
-    raw["instructions"][3]["kind"] = "ag_matmul"
-    with pytest.raises(PlanError, match="instructions.3.kind.*unknown instruction kind 'ag_matmul'.*all_gather"):
+    raw["instructions"][3]["kind"] = "mm_all_to_all"
+    with pytest.raises(PlanError, match="instructions.3.kind.*unknown instruction kind 'mm_all_to_all'.*all_gather"):
         plan_from_json(raw, "plan.json")
