@@ -11,22 +11,26 @@ first, own last, j = m_e + s + 1), and receives at step s the chunk the ring mov
     x(e, s)   = gamma_e t_p(e, s) + m_e  (the compute the transfer in flight takes: the
                                           measured transfer CPU share and per-message cost)
 
-Every step waits for the slowest member (bulk-synchronous), so a step is an Overlap of per-entry
-forms, max(max_e (t_c + x), max_e t_p):
+Each device runs its own pipeline (a chunk is forwarded as soon as it is here; with uneven
+chunks the devices' steps differ, so a bulk-synchronous max per step would overestimate), and
+the instruction ends with the slowest device:
 
-    all-gather -> matmul  sum_{s=1}^{g-1} Overlap(t_c(s-1) + x(s), t_p(s))  +  t_c(g-1)
+    all-gather -> matmul  T_e = sum_{s=1}^{g-1} max(t_c(e,s-1) + x(e,s), t_p(e,s))  +  t_c(e,g-1)
                           (the own chunk's compute under step 1; the last chunk's after the ring)
-    matmul -> RS          t_c(0) + sum_{s=1}^{g-1} [ Overlap(t_c(s) + x(s), t_p(s)) + t_add(s) ]
+    matmul -> RS          T_e = t_c(e,0) + sum_{s=1}^{g-1} [ max(t_c(e,s) + x(e,s), t_p(e,s)) + t_add(e,s) ]
                           (t_add = 3 r L_j / membw_e: read two, write one)
+    time = max_e T_e
 
 that is the issue's "first chunk's compute + sum over steps of max(t_c, t_p) (+ the adds)",
-mirrored for the all-gather. k-slicing runs one collective per slice: with A_t the collective of
-slice t (a padded collective of the slice's bytes, k latencies in all) and C_t its matmul,
+mirrored for the all-gather. k-slicing runs one collective per slice: with A the collective of
+one slice (a padded collective of 1/k of the bytes, k latencies in all) and C_e = c_e / k,
 
-    all-gather -> matmul  A_1 + sum_{t=2}^{k} Overlap(C_{t-1} + gamma A_t + m, A_t) + C_k
-    matmul -> RS          C_1 + sum_{t=2}^{k} Overlap(C_t + gamma A_{t-1} + m, A_{t-1}) + A_k
+    all-gather -> matmul  T_e = A + (k-1) max(C_e + gamma A + m, A) + C_e
+    matmul -> RS          T_e = C_e + (k-1) max(C_e + gamma A + m, A) + A
 
-(the head, or the tail, of 1/k stays exposed). Everything here is a constant in the sharding
+(the head, or the tail, of 1/k stays exposed). The result is an Overlap of per-device compute
+(a compute Form) and T (a communication Form): its time is max_e T_e, its exposed
+communication max_e T_e - max_e compute_e. Everything here is a constant in the sharding
 ratios (FIXED: the fused forms are evaluated at the current ratios and enter the LP as numbers,
 as the issue allows); exact in r would need each chunk's share by member (a permutation of
 the shares), left for later.
@@ -85,10 +89,22 @@ def form(values: Sequence[float], category: Category) -> Form:
     return Form(LinearCost(tuple(values), (0.0,) * n), Shares((1.0,) * n, ShareKind.NONE), category)
 
 
-def _overlap(compute: Sequence[float], transfer: Sequence[float], ring: Ring) -> Overlap:
-    lost = [g * t + (m if t > 0 else 0.0) for g, m, t in zip(ring.gamma, ring.per_message_s, transfer)]
-    return Overlap((Series((form(compute, Category.COMPUTE), form(lost, Category.COMPUTE))),
-                    form(transfer, Category.COMMUNICATION)))
+def pipeline(first: Sequence[float], steps: Sequence[tuple[Sequence[float], Sequence[float], Sequence[float]]],
+             last: Sequence[float], ring: Ring) -> Overlap:
+    """Per entry e: T_e = first_e + sum over steps of max(c_e + x_e, p_e) + after_e + last_e, with
+    x_e = gamma_e p_e + m_e (module docstring), each (c, p, after) of a step; as the Overlap of
+    the entries' compute (every c, x, after, first and last) and their T (communication), so that
+    the time is max_e T_e and the exposed communication max_e T_e - max_e compute_e."""
+    total, busy = list(first), list(first)
+    for c, p, after in steps:
+        for e in range(ring.n):
+            x = ring.gamma[e] * p[e] + (ring.per_message_s[e] if p[e] > 0 else 0.0)
+            total[e] += max(c[e] + x, p[e]) + after[e]
+            busy[e] += c[e] + x + after[e]
+    for e in range(ring.n):
+        total[e] += last[e]
+        busy[e] += last[e]
+    return Overlap((form(busy, Category.COMPUTE), form(total, Category.COMMUNICATION)))
 
 
 def ring_cost(ring: Ring, gather: bool) -> Cost:
@@ -97,23 +113,22 @@ def ring_cost(ring: Ring, gather: bool) -> Cost:
     g, n = ring.size, ring.n
     tc = [[ring.matmul_s[e] * ring.fraction(e, ring.chunk(e, s, gather)) for e in range(n)] for s in range(g)]
     tp = [[ring.transfer_s(e, ring.chunk(e, s, gather)) for e in range(n)] for s in range(g)]
+    zero = [0.0] * n
     if gather:
-        steps: list[Cost] = [_overlap(tc[s - 1], tp[s], ring) for s in range(1, g)]
-        return Series((*steps, form(tc[g - 1], Category.COMPUTE)))
-    parts: list[Cost] = [form(tc[0], Category.COMPUTE)]
-    for s in range(1, g):
-        adds = [3 * ring.row_bytes[e] * ring.lengths[e][ring.chunk(e, s, False)] / ring.membw[e] for e in range(n)]
-        parts += [_overlap(tc[s], tp[s], ring), form(adds, Category.COMPUTE)]
-    return Series(tuple(parts))
+        return pipeline(zero, [(tc[s - 1], tp[s], zero) for s in range(1, g)], tc[g - 1], ring)
+    adds = [[3 * ring.row_bytes[e] * ring.lengths[e][ring.chunk(e, s, False)] / ring.membw[e] for e in range(n)]
+            for s in range(g)]
+    return pipeline(tc[0], [(tc[s], tp[s], adds[s]) for s in range(1, g)], zero, ring)
 
 
 def sliced_cost(ring: Ring, gather: bool, k: int, collective_s: float) -> Cost:
-    """k-slicing's time (module docstring); `collective_s`: one slice's padded collective."""
+    """k-slicing's time (module docstring; the same sum for both kinds); `collective_s`: one
+    slice's padded collective."""
     c = [m / k for m in ring.matmul_s]
-    a = [collective_s] * ring.n
-    steps: list[Cost] = [_overlap(c, a, ring) for _ in range(k - 1)]
-    head, tail = (form(a, Category.COMMUNICATION), form(c, Category.COMPUTE))
-    return Series((head, *steps, tail) if gather else (tail, *steps, head))
+    zero = [0.0] * ring.n
+    busy, total = pipeline(zero, [(c, [collective_s] * ring.n, zero)] * (k - 1), c, ring).parts
+    assert isinstance(total, Form)
+    return Overlap((busy, form([t + collective_s for t in total.cost.a], Category.COMMUNICATION)))
 
 
-__all__ = ["Ring", "form", "ring_cost", "sliced_cost"]
+__all__ = ["Ring", "form", "pipeline", "ring_cost", "sliced_cost"]

@@ -10,6 +10,7 @@ Public API (see README):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -41,17 +42,20 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          cluster: ClusterSpec | str | None = None, *, batch_size: int | None = None,
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
-         measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None) -> Plan:
+         measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
+         fusion: bool = True) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
     the emulated devices, profiling.model_timing). `data_parallel` searches only data-parallel
     programs (the batch split, parameters replicated); the ratios, the collective variants and
     SFB are still the cost model's choices. `bucket_mb` forces the gradient bucket cap (MiB;
-    default: the cap the cost model predicts fastest)."""
+    default: the cap the cost model predicts fastest). `fusion` False keeps every all-gather ->
+    linear and linear -> reduce-scatter as its plain pair (planner.fusions)."""
     from instruction_set.models import parse_model_ref, with_overrides
     from planner.feasibility import check_training_state_fits
     from planner.planner import DP_SEED, make_plan
+    from planner.problem import Restrictions
 
     if cluster is None:
         raise ValueError("plan() needs a cluster (a ClusterSpec or a spec file path)")
@@ -81,8 +85,10 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
             from profiling.measured import measured
 
             graph = measured(graph, model, example_inputs)
-    return make_plan(graph, spec, ratios=ratios, progress=progress,
-                     restrictions=DP_SEED if data_parallel else None,
+    restrictions = DP_SEED if data_parallel else None
+    if not fusion:
+        restrictions = dataclasses.replace(restrictions or Restrictions(), allow_fusion=False)
+    return make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
                      bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None)
 
 

@@ -66,6 +66,9 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="search data-parallel programs only (ratios, collective variants and SFB still chosen)")
     p.add_argument("--bucket-mb", type=float,
                    help="gradient bucket cap in MiB (default: the one the cost model predicts fastest)")
+    p.add_argument("--no-fusion", action="store_true",
+                   help="keep every all-gather -> linear and linear -> reduce-scatter as the plain pair "
+                        "(default: the cost model fuses them where the overlap pays; planner.fusions)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.add_argument("--stages", type=int, help="also make a pipeline of this many stages (contiguous nodes or "
                                               "devices, cut at block boundaries by throughput) and keep the "
@@ -122,7 +125,7 @@ def plan_run(args: argparse.Namespace) -> int:
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                          measure_ops=args.measure_ops, data_parallel=args.data_parallel,
-                         bucket_mb=args.bucket_mb)
+                         bucket_mb=args.bucket_mb, fusion=not args.no_fusion)
     plan = _pipeline(plan, args)
     hetsynth.save_plan(plan, args.output)
     if args.json:

@@ -32,6 +32,7 @@ from cost_models.memory import activation_memory
 from cost_models.terms import Cost, Series, Shares, Term, seconds
 from instruction_set.kinds import Category, kind as instruction_kind
 from instruction_set.layouts import Layout
+from instruction_set.mesh import MeshAxis
 from instruction_set.program import FUSED_MATMULS, Instruction
 from planner.evaluate import TERMS, _rule_index, instruction_term, share_kind
 from planner.problem import Problem
@@ -120,11 +121,11 @@ def pair_instructions(pb: Problem, ins: Instruction) -> list[Instruction]:
         step = pb.collective(x, "all_gather", ins.src, ins.inputs[0], ins.axis)
         return [Instruction(kind="all_gather", tensor=x, layout=ins.inputs[0], src=ins.src, variant=step.variant,
                             axis=ins.axis),
-                ins.model_copy(update={"kind": "compute", "src": None, "variant": "", "axis": "all",
+                ins.model_copy(update={"kind": "compute", "src": None, "variant": "", "axis": MeshAxis.ALL,
                                        "alternatives": {}})]
     step = pb.collective(ins.tensor, "reduce_scatter", ins.src, ins.layout, ins.axis)
-    return [ins.model_copy(update={"kind": "compute", "layout": ins.src, "src": None, "variant": "", "axis": "all",
-                                   "alternatives": {}}),
+    plain = {"kind": "compute", "src": None, "variant": "", "axis": MeshAxis.ALL, "alternatives": {}}
+    return [ins.model_copy(update=plain | {"layout": ins.src}),
             Instruction(kind="reduce_scatter", tensor=ins.tensor, layout=ins.layout, src=ins.src,
                         variant=step.variant, axis=ins.axis)]
 

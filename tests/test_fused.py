@@ -61,7 +61,8 @@ def ag_linear_case(rank: int, world: int, lengths: tuple[int, ...], variant: str
     x = full.narrow(1, span.offset(rank), lengths[rank]).clone().requires_grad_()
     wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
     y, x_full = AGLinear.apply(x, wl, bl, span, variant)
-    gy, gx = [_rand(10 + r, 2, sum(lengths), 3) for r in range(world)], [_rand(20 + r, *full.shape) for r in range(world)]
+    gy = [_rand(10 + r, 2, sum(lengths), 3) for r in range(world)]
+    gx = [_rand(20 + r, *full.shape) for r in range(world)]
     ((y * gy[rank]).sum() + (x_full * gx[rank]).sum()).backward()
     dx = sum(g @ w + h for g, h in zip(gy, gx)).narrow(1, span.offset(rank), lengths[rank])
     return max(err(y, torch.nn.functional.linear(full, w, b)), err(x_full, full), err(x.grad, dx),
@@ -72,7 +73,8 @@ def ag_linear_case(rank: int, world: int, lengths: tuple[int, ...], variant: str
 def linear_rs_case(rank: int, world: int, lengths: tuple[int, ...], variant: str) -> float:
     """LinearRS: every rank's x (2, T, 4) and W (3, 4) summed, scattered along dim 1 (+ b)."""
     span = Span(dist.group.WORLD, tuple(range(world)), rank, 1, lengths)
-    xs, ws, b = [_rand(30 + r, 2, sum(lengths), 4) for r in range(world)], [_rand(40 + r, 3, 4) for r in range(world)], _rand(2, 3)
+    xs, ws = [_rand(30 + r, 2, sum(lengths), 4) for r in range(world)], [_rand(40 + r, 3, 4) for r in range(world)]
+    b = _rand(2, 3)
     x, w, bl = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_(), b.clone().requires_grad_()
     y = LinearRS.apply(x, w, bl, span, variant)
     whole = sum(a @ c.t() for a, c in zip(xs, ws)) + b
@@ -80,7 +82,8 @@ def linear_rs_case(rank: int, world: int, lengths: tuple[int, ...], variant: str
     mine = lambda t: t.narrow(1, span.offset(rank), lengths[rank])
     (y * mine(grad)).sum().backward()
     return max(err(y, mine(whole)), err(x.grad, grad @ ws[rank]),
-               err(w.grad, grad.reshape(-1, 3).t() @ xs[rank].reshape(-1, 4)), err(bl.grad, mine(grad).reshape(-1, 3).sum(0)))
+               err(w.grad, grad.reshape(-1, 3).t() @ xs[rank].reshape(-1, 4)),
+               err(bl.grad, mine(grad).reshape(-1, 3).sum(0)))
 
 
 def all_cases(rank: int, world: int) -> list[float]:

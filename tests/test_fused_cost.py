@@ -19,22 +19,24 @@ def ring(gamma: float = 0.0, per_message: float = 0.0) -> Ring:
 def test_all_gather_matmul_ring_by_hand() -> None:
     """Own chunk first: position s computes chunk (e - s) mod 3, so the members compute
     (1, 4, 3), then (3, 2, 2), then (2, 6, 1) s; steps 1 and 2 bring (3, 1, 2) and (2, 3, 1) s
-    of transfer. max(4, 3) + max(3, 3) + 6 = 13 s; the last chunk's compute is exposed."""
+    of transfer. Member 0: max(1, 3) + max(3, 2) + 2 = 8; member 1: max(4, 1) + max(2, 3) + 6
+    = 13; member 2: max(3, 2) + max(2, 1) + 1 = 6: 13 s (the last chunk's compute is exposed)."""
     assert seconds(ring_cost(ring(), gather=True)) == pytest.approx(13.0)
 
 
 def test_matmul_reduce_scatter_ring_by_hand() -> None:
     """Own chunk last: position s computes chunk (e + s + 1) mod 3: (2, 6, 1), (3, 2, 2),
-    (1, 4, 3) s; steps bring (3, 1, 2) and (1, 2, 3) s, adds 3 and 3 s.
-    6 + (max(3, 3) + 3) + (max(4, 3) + 3) = 19 s."""
-    assert seconds(ring_cost(ring(), gather=False)) == pytest.approx(19.0)
+    (1, 4, 3) s; steps bring (3, 1, 2) and (1, 2, 3) s, adds as many seconds as rows arrive.
+    Member 0: 2 + (max(3, 3) + 3) + (max(1, 1) + 1) = 10; member 1: 6 + (max(2, 1) + 1) +
+    (max(4, 2) + 2) = 15; member 2: 1 + (max(2, 2) + 2) + (max(3, 3) + 3) = 11: 15 s."""
+    assert seconds(ring_cost(ring(), gather=False)) == pytest.approx(15.0)
 
 
 def test_transfer_cpu_share_is_charged_to_the_overlapped_compute() -> None:
-    """gamma 0.5: the compute branch of step 1 is 4 + 0.5 * 3, of step 2 3 + 0.5 * 3:
-    5.5 + 4.5 + 6 = 16 s; a per-message second adds 1 s per step: 18 s."""
-    assert seconds(ring_cost(ring(0.5), gather=True)) == pytest.approx(16.0)
-    assert seconds(ring_cost(ring(0.5, 1.0), gather=True)) == pytest.approx(18.0)
+    """gamma 0.5, member 1 (the slowest): max(4 + 0.5, 1) + max(2 + 1.5, 3) + 6 = 14 s; a
+    per-message second more on each step: max(5.5, 1) + max(4.5, 3) + 6 = 16 s."""
+    assert seconds(ring_cost(ring(0.5), gather=True)) == pytest.approx(14.0)
+    assert seconds(ring_cost(ring(0.5, 1.0), gather=True)) == pytest.approx(16.0)
 
 
 def test_sliced_by_hand() -> None:
@@ -45,8 +47,9 @@ def test_sliced_by_hand() -> None:
     assert seconds(sliced_cost(ring(0.5), True, 2, 2.0)) == pytest.approx(15.0)
 
 
-def test_the_choice_flips_to_the_unfused_pair_as_gamma_grows() -> None:
+def test_the_choice_flips_to_the_unfused_pair_as_the_transfer_cpu_grows() -> None:
     """The unfused pair: the slowest matmul (12 s) + the all-gather's two steps (3 + 3 s)
-    = 18 s. The ring: 13 s at gamma 0, 19 s at gamma 1 (every transfer on the compute)."""
+    = 18 s. The ring: 13 s free of transfer CPU; with every transfer on the compute (gamma 1)
+    and 2 s per message, member 1: max(4 + 1 + 2, 1) + max(2 + 3 + 2, 3) + 6 = 20 s."""
     unfused = 12.0 + 3.0 + 3.0
-    assert seconds(ring_cost(ring(0.0), gather=True)) < unfused < seconds(ring_cost(ring(1.0), gather=True))
+    assert seconds(ring_cost(ring(0.0), gather=True)) < unfused < seconds(ring_cost(ring(1.0, 2.0), gather=True))
