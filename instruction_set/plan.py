@@ -182,8 +182,6 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
     if not isinstance(raw, dict) or "version" not in raw:
         raise PlanError(f"{source} is not a hetsynth plan (no 'version' field)")
-    if raw["version"] == 2:
-        raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] == 1:
         raw = _from_version_1(raw)
         log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
