@@ -150,6 +150,7 @@ class _Lowering:
         self.prob, self.s, self.count = prob, s, 0
         self.forms: dict[tuple, pulp.LpVariable] = {}
         self.overlaps: dict[int, pulp.LpVariable] = {}
+        self.series: dict[int, pulp.LpAffineExpression] = {}
 
     def _variable(self, prefix: str) -> tuple[pulp.LpVariable, str]:
         name = f"{prefix}_{self.count}"
@@ -158,8 +159,10 @@ class _Lowering:
 
     def expr(self, c: Cost) -> pulp.LpAffineExpression | float:
         """E(c): an affine expression bounding c from above, tight at the optimum."""
-        if isinstance(c, Series):
-            return pulp.lpSum(self.expr(p) for p in c.parts)
+        if isinstance(c, Series):  # a Series shared by several branches is summed once
+            if id(c) not in self.series:
+                self.series[id(c)] = pulp.lpSum(self.expr(p) for p in c.parts)
+            return self.series[id(c)]
         if isinstance(c, Form):
             return seconds(c) if c.is_constant else self._form(c)
         if id(c) not in self.overlaps:
