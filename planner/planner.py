@@ -44,10 +44,10 @@ from instruction_set.program import COLLECTIVES, Instruction
 from instruction_set.sync import GradientSync
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
-from planner.feasibility import PlanInfeasible, check_training_state_fits
+from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
-from instruction_set.blocks import recomputed_units
+from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
 from planner.recompute import fit_by_recompute
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
@@ -212,7 +212,7 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
                 width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6,
                 restrictions: Restrictions | None = None) -> tuple[Candidate, _Stats]:
     """The best program and ratios (raises PlanInfeasible when nothing fits in memory)."""
-    check_training_state_fits(graph, cluster)
+    check_memory_lower_bound(graph, cluster)
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
     log.info("planning %s (%d ops) for %s (%d devices)", graph.model_ref, len(graph.calls), cluster.name,
@@ -261,7 +261,7 @@ def techniques(program: Sequence[Instruction]) -> str:
     zero, units = len(zero_tensors(program)), recomputed_units(program)
     used = ([f"ZeRO-1 for {zero} parameters"] if zero else []) + ([f"recomputation of {len(units)} blocks"]
                                                                    if units else [])
-    return ", ".join(used) or "no memory technique"
+    return " and ".join(used) or "no ZeRO-1 and no recomputation (none applies)"
 
 
 def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
@@ -301,17 +301,29 @@ def _next_weight(weight: float, candidate: Candidate) -> float:
 
 
 def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate) -> str:
-    pb = Problem(graph, cluster, best.ratios, state_ratios=best.problem.state_ratios)
-    ratios, over = least_memory_overflow(program_terms(pb, best.program), [k.memory_gib for k in pb.kinds],
+    """Where the best plan found is short of memory with every technique applied: its
+    replicated parameters' optimizer state sharded (ZeRO-1, at the state LP's ratios), all its
+    blocks recomputed, and the ratios that minimise the largest overflow."""
+    pb, program = _most_memory_saving(best)
+    ratios, over = least_memory_overflow(program_terms(pb, program), [k.memory_gib for k in pb.kinds],
                                          classes=pb.devices)
     worst = max(range(len(over)), key=lambda i: over[i])
     device = cluster.devices[pb.devices.reps[worst]]
     cap = pb.kinds[worst].memory_gib
     others = pb.devices.counts[worst] - 1
-    return (f"no plan fits in memory: the best plan found needs {cap + over[worst]:.2f} GiB on device "
+    return (f"no plan fits in memory: the best plan found needs {gib(cap + over[worst])} GiB on device "
             f"{device.name!r} ({device.kind}, {cap:g} GiB{f'; and {others} more like it' if others else ''}), "
-            f"short by {over[worst]:.2f} GiB even with memory-optimal ratios; use devices with more memory, "
-            f"a smaller batch or a smaller model")
+            f"short by {gib(over[worst])} GiB even with memory-optimal ratios and {techniques(program)}; use "
+            f"devices with more memory, a smaller batch or a smaller model")
+
+
+def _most_memory_saving(best: Candidate) -> tuple[Problem, tuple[Instruction, ...]]:
+    """The best candidate's program with ZeRO-1 (where allowed) and every block recomputed."""
+    pb, program = best.problem, best.program
+    zero = zero1_problem(pb, program) if pb.restrictions.allow_zero else None
+    if zero is not None:
+        pb, program = zero
+    return pb, mark_recomputed(program, recompute_units(pb.graph, program))
 
 
 def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ...]:
