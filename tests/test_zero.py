@@ -93,3 +93,29 @@ def test_planner_shards_state_when_memory_binds(pools, tmp_path: Path) -> None:
     save_plan(plan, tmp_path / "zero.json")
     assert load_plan(tmp_path / "zero.json") == plan
     check(pools, plan)
+
+
+def test_checkpoint_under_zero1_holds_whole_state_and_resumes(pools, tmp_path: Path) -> None:
+    """Saved under a ZeRO-1 plan, the checkpoint loads into the plain model (whole parameters
+    and whole Adam moments) and resumes under another ZeRO-1 plan (4 ranks, one without rows)
+    with single-device training's losses."""
+    import torch
+
+    from instruction_set.models import parse_model_ref
+    from runtime.train import reference_training
+    from test_checkpoint import FIRST, LATER, REF, resume_worker, save_worker
+
+    path = str(tmp_path / "zero.pt")
+    pools.get(2).run(save_worker, with_zero1(make(REF, [0.7, 0.3], DP_SEED), [0.2, 0.8]), FIRST, path)
+    ckpt = torch.load(path, weights_only=False)
+    spec = parse_model_ref(REF)
+    model = spec.build("cpu")
+    model.load_state_dict(ckpt["model"], strict=True)
+    shapes = dict(model.named_parameters())
+    for fqn, state in ckpt["optimizer"]["state"].items():
+        assert state["exp_avg"].shape == shapes[fqn].shape, fqn
+    later = pools.get(4).run(resume_worker, with_zero1(make(REF, [0.4, 0.3, 0.2, 0.1], DP_SEED), [0.5, 0.0, 0.25, 0.25]),
+                             LATER, path)[0]
+    continued, _ = reference_training(spec, spec.batch_size, LATER)
+    for got, want in zip(later, continued[3:]):
+        assert abs(got - want) <= 1e-9 * abs(want), (later, continued[3:])
