@@ -104,14 +104,14 @@ def _evaluate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[floa
 
 def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
                fixed: bool, width: int, progress: bool, memory_weight: float, stats: _Stats,
-               max_rounds: int, restrictions: Restrictions | None) -> Candidate:
+               max_rounds: int, restrictions: Restrictions | None, allow_zero: bool = True) -> Candidate:
     best: Candidate | None = None
     for _ in range(max_rounds):
         stats.rounds += 1
         programs = _programs(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
         pb = Problem(graph, cluster, ratios, restrictions)
         current, terms = _best_predicted(
-            pb, programs, lambda c: _fit_memory(graph, cluster, c, fixed, restrictions, stats))
+            pb, programs, lambda c: _fit_memory(graph, cluster, c, fixed, restrictions, stats, allow_zero))
         best = current if current.better_than(best) else best
         if fixed:
             break
@@ -210,8 +210,9 @@ def _programs(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, 
 
 def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
                 width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6,
-                restrictions: Restrictions | None = None) -> tuple[Candidate, _Stats]:
-    """The best program and ratios (raises PlanInfeasible when nothing fits in memory)."""
+                restrictions: Restrictions | None = None, allow_zero: bool = True) -> tuple[Candidate, _Stats]:
+    """The best program and ratios (raises PlanInfeasible when nothing fits in memory);
+    `allow_zero`: the planner may shard optimizer state (ZeRO-1) to fit."""
     check_memory_lower_bound(graph, cluster)
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
@@ -220,27 +221,28 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
     stats, weight, best = _Stats(), 0.0, None
     for attempt in range(MEMORY_ATTEMPTS):
         candidate = _alternate(graph, cluster, start, fixed, width, progress, weight, stats, max_rounds,
-                               restrictions)
+                               restrictions, allow_zero)
         best = candidate if candidate.better_than(best) else best
         if best.prediction.fits:
             return best, stats
-        fitted = _fit_memory(graph, cluster, candidate, fixed, restrictions, stats)
+        fitted = _fit_memory(graph, cluster, candidate, fixed, restrictions, stats, allow_zero)
         if fitted is not None:
             return fitted, stats
         weight = _next_weight(weight, candidate)
         if attempt + 1 < MEMORY_ATTEMPTS:
             log.info("the best plan needs %.2f GiB more than a device holds; searching again with a "
                      "memory penalty (attempt %d of %d)", _overflow(best), attempt + 2, MEMORY_ATTEMPTS)
-    raise PlanInfeasible(_shortfall_message(graph, cluster, best))
+    raise PlanInfeasible(_shortfall_message(graph, cluster, best, allow_zero))
 
 
 def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
-                restrictions: Restrictions | None, stats: _Stats) -> Candidate | None:
+                restrictions: Restrictions | None, stats: _Stats, allow_zero: bool = True) -> Candidate | None:
     """`candidate` made to fit in memory, the faster of: its replicated parameters' optimizer
     state sharded (ZeRO-1, planner.zero), with the fewest blocks recomputed that then fit if
     needed; and the fewest blocks recomputed without ZeRO-1. None when neither fits."""
     options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
-    zero = zero1_problem(candidate.problem, candidate.program) if candidate.problem.restrictions.allow_zero else None
+    allowed = allow_zero and candidate.problem.restrictions.allow_zero
+    zero = zero1_problem(candidate.problem, candidate.program) if allowed else None
     if zero is not None:
         pb, program = zero
         if predict(pb, program_terms(pb, program)).fits:  # memory does not depend on the buckets
@@ -300,11 +302,11 @@ def _next_weight(weight: float, candidate: Candidate) -> float:
     return weight * 4.0
 
 
-def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate) -> str:
+def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate, allow_zero: bool = True) -> str:
     """Where the best plan found is short of memory with every technique applied: its
     replicated parameters' optimizer state sharded (ZeRO-1, at the state LP's ratios), all its
     blocks recomputed, and the ratios that minimise the largest overflow."""
-    pb, program = _most_memory_saving(best)
+    pb, program = _most_memory_saving(best, allow_zero)
     ratios, over = least_memory_overflow(program_terms(pb, program), [k.memory_gib for k in pb.kinds],
                                          classes=pb.devices)
     worst = max(range(len(over)), key=lambda i: over[i])
@@ -317,10 +319,10 @@ def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candid
             f"devices with more memory, a smaller batch or a smaller model")
 
 
-def _most_memory_saving(best: Candidate) -> tuple[Problem, tuple[Instruction, ...]]:
+def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Problem, tuple[Instruction, ...]]:
     """The best candidate's program with ZeRO-1 (where allowed) and every block recomputed."""
     pb, program = best.problem, best.program
-    zero = zero1_problem(pb, program) if pb.restrictions.allow_zero else None
+    zero = zero1_problem(pb, program) if allow_zero and pb.restrictions.allow_zero else None
     if zero is not None:
         pb, program = zero
     return pb, mark_recomputed(program, recompute_units(pb.graph, program))
@@ -378,13 +380,13 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
               width: int = DEFAULT_WIDTH, progress: bool = True,
               restrictions: Restrictions | None = None, with_baselines: bool = True,
-              bucket_cap: int | None = None) -> Plan:
+              bucket_cap: int | None = None, allow_zero: bool = True) -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests); `bucket_cap`
     forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest)."""
     start = time.perf_counter()
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
-                              restrictions=restrictions)
+                              restrictions=restrictions, allow_zero=allow_zero)
     seconds = time.perf_counter() - start
     if with_baselines:
         log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,
