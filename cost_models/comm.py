@@ -204,10 +204,18 @@ class CommModel:
         return "intra" if axis == "inner" or len(self.cluster.nodes) == 1 else "inter"
 
     def alpha_beta(self, kind: str, variant: str, axis: str = "all") -> tuple[float, float]:
-        """(alpha seconds, beta bytes/second): calibrated for the variant, else the spec's link."""
+        """(alpha seconds, beta bytes/second): calibrated for the variant, else the spec's link.
+        A calibrated latency is never below the link's own (the spec's): the profile times
+        messages of 64 KiB and more, mostly bandwidth on a slow link, and its least-squares
+        intercept can land near zero (7 us for the cross-node all-reduce of local-emulated,
+        where a 4-byte one takes milliseconds), which made a forward all-reduce of a scalar
+        look free next to computing the scalar on every rank."""
         key = (kind, variant, axis)
         if key not in self._alpha_beta:
-            ab = self._calibrated(kind, variant, axis) or self.link(axis)
+            link, ab = self.link(axis), self._calibrated(kind, variant, axis)
+            if ab is not None and ab.latency_us < link.latency_us:
+                ab = AlphaBeta(latency_us=link.latency_us, bandwidth_gbps=ab.bandwidth_gbps)
+            ab = ab or link
             self._alpha_beta[key] = (ab.latency_us * 1e-6, ab.bandwidth_gbps * 1e9 / 8)
         return self._alpha_beta[key]
 

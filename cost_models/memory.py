@@ -2,6 +2,7 @@
 
     memory_i = state_i + saved_i
     state_i  = sum_params bytes_p * (1 param + 1 grad + 2 Adam moments) * s_p,i
+             (a ZeRO-1 parameter: bytes_p * (2 + 2 q_i), q_i the device's state ratio)
     saved_i  = sum_ops sum_{t saved by op} bytes_t * s_t,i     (tensors kept for the backward pass)
 
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
@@ -48,6 +49,12 @@ def param_memory(nbytes: float, sharded: bool, n: int) -> MemoryTerm:
     if sharded:
         return MemoryTerm(zeros, (total,) * n, "state")
     return MemoryTerm((total,) * n, zeros, "state")
+
+
+def zero1_memory(nbytes: float, n: int) -> MemoryTerm:
+    """A ZeRO-1 parameter: the parameter and its gradient whole, the optimizer's copies
+    (OPTIMIZER_COPIES - 2) on the device's share of the rows (its state ratio)."""
+    return MemoryTerm((2.0 * nbytes,) * n, ((OPTIMIZER_COPIES - 2) * nbytes,) * n, "state")
 
 
 def _split(saved: SavedTensor, inputs: Sequence[Layout], output: Layout) -> bool:

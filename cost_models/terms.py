@@ -107,9 +107,15 @@ def seconds(c: Cost, _memo: dict[int, float] | None = None) -> float:
     memo = {} if _memo is None else _memo
     found = memo.get(id(c))
     if found is None:
-        parts = (seconds(p, memo) for p in c.parts)
+        parts = (memo[id(p)] if id(p) in memo else _remember(p, memo) for p in c.parts)
         found = memo[id(c)] = sum(parts) if isinstance(c, Series) else max(parts)
     return found
+
+
+def _remember(c: Cost, memo: dict[int, float]) -> float:
+    """seconds(c), kept in `memo` (a form too: the bucket syncs recur in many branches)."""
+    value = memo[id(c)] = seconds(c, memo)
+    return value
 
 
 def forms(c: Cost) -> Iterator[Form]:
@@ -157,12 +163,17 @@ def _work(c: Cost) -> dict[int, tuple[Cost, int]]:
     return merged
 
 
-def without(c: Cost, category: Category) -> Cost | None:
-    """The cost with the forms of `category` left out (None when nothing is left)."""
+def without(c: Cost, category: Category, _memo: dict[int, Cost | None] | None = None) -> Cost | None:
+    """The cost with the forms of `category` left out (None when nothing is left). A part
+    shared by several branches (the same object) stays one shared object in the result, so
+    that `seconds` evaluates it once."""
     if isinstance(c, Form):
         return None if c.category is category else c
-    parts = tuple(p for p in (without(q, category) for q in c.parts) if p is not None)
-    return type(c)(parts) if parts else None
+    memo = {} if _memo is None else _memo
+    if id(c) not in memo:
+        parts = tuple(p for p in (without(q, category, memo) for q in c.parts) if p is not None)
+        memo[id(c)] = type(c)(parts) if parts else None
+    return memo[id(c)]
 
 
 def exposed(c: Cost, category: Category) -> float:

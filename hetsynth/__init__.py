@@ -53,7 +53,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     default: the cap the cost model predicts fastest). `fusion` False keeps every all-gather ->
     linear and linear -> reduce-scatter as its plain pair (planner.fusions)."""
     from instruction_set.models import parse_model_ref, with_overrides
-    from planner.feasibility import check_training_state_fits
+    from planner.feasibility import check_memory_lower_bound
     from planner.planner import DP_SEED, make_plan
     from planner.problem import Restrictions
 
@@ -69,7 +69,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
         graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
-        check_training_state_fits(graph, spec)  # before timing anything
+        check_memory_lower_bound(graph, spec)  # before timing anything
         if measure_ops:
             graph = capture_measured(ref.ref, allow_replicate_fallback=allow_replicate_fallback, cluster=spec)
     else:
@@ -78,7 +78,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         if batch_size is not None:
             raise ValueError("batch_size applies to model references; slice example_inputs instead")
         graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback)
-        check_training_state_fits(graph, spec)
+        check_memory_lower_bound(graph, spec)
         if measure_ops:
             if any(t.is_meta for t in example_inputs):
                 raise ValueError("measure_ops needs real example inputs (not on the meta device)")

@@ -132,7 +132,20 @@ def _memory_line(plan: Plan) -> str:
     units = recomputed_units(plan.instructions)
     found = len(recompute_units(plan.graph, plan.instructions)) if units else 0
     used = f"recomputes {len(units)} of {found} blocks ({units[0].name} ...)" if units else "no recomputation"
-    return f"memory       on {d.name}: {split}; {used}"
+    return f"memory       on {d.name}: {split}; {used}; {_zero_text(plan)}"
+
+
+def _zero_text(plan: Plan) -> str:
+    """ZeRO-1's use: how many parameters, and each device kind's share of their optimizer state."""
+    z = plan.state_shards
+    if z is None:
+        return "optimizer state replicated (no ZeRO)"
+    kinds: dict[str, float] = {}
+    for device, q in zip(plan.cluster.devices, z.ratios):
+        kinds[device.kind] = kinds.get(device.kind, 0.0) + q
+    counts = {k: sum(1 for d in plan.cluster.devices if d.kind == k) for k in kinds}
+    shares = ", ".join(f"{k} {kinds[k] / counts[k]:.3f} each" for k in kinds)
+    return f"ZeRO-1 for {len(z.rows)} parameters (optimizer state rows: {shares}; all-gather {z.variant})"
 
 
 def _sync_lines(plan: Plan) -> list[str]:

@@ -152,9 +152,10 @@ def predicted_step(plan: Plan) -> PredictedStep:
     """The plan's step laid out as the cost model sees it; checked against its prediction."""
     from planner.evaluate import first_input_layouts, instruction_term
     from planner.problem import Problem, Restrictions
-    from planner.step_cost import backward_share, forward_share, is_bucketed, scalar_terms
+    from planner.step_cost import backward_share, forward_share, is_bucketed, scalar_terms, state_gather_terms
 
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level),
+                 state_ratios=plan.state_shards.ratios if plan.state_shards else None)
     expand, x_layouts, times = pb.devices.expand, first_input_layouts(plan.instructions), {}
     for index, ins in enumerate(plan.instructions):
         term = None if is_bucketed(ins) else instruction_term(pb, ins, x_layouts)
@@ -176,7 +177,8 @@ def predicted_step(plan: Plan) -> PredictedStep:
     placed += more
     sync_wait = (t, max(max((b.start_s + b.seconds for b in buckets), default=0.0) - t, 0.0))
     updates, t = _place([(times[i], 1.0) for i in times if plan.instructions[i].kind == "param"], t + sync_wait[1])
-    scalars = [_scalar_times(term, plan.cluster.num_devices) for term in scalar_terms(pb, plan.instructions)]
+    scalars = [_scalar_times(term, plan.cluster.num_devices)
+               for term in state_gather_terms(pb, plan.instructions) + scalar_terms(pb, plan.instructions)]
     tail, t = _place([(s, 1.0) for s in scalars], t)
     step = PredictedStep(list(times.values()) + scalars, placed + updates + tail, buckets, sync_wait, t)
     _check_totals(plan, step)

@@ -31,11 +31,12 @@ from instruction_set.pipeline import Pipeline, PipelineStage
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
 from instruction_set.shards import MeshLayout
+from instruction_set.training_state import StateShards, TrainingState, check_state_shards
 from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets, check_buckets
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 PLAN_CHANGES: dict[int, str] = {
     1: "the first format",
     2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
@@ -45,8 +46,11 @@ PLAN_CHANGES: dict[int, str] = {
     3: "pipeline plans: `shape` (spmd or pipeline) says what `hetsynth run` executes; `pipeline` holds the "
        "stages (each with its SPMD plan per micro-batch size), boundaries with their resharding plans, "
        "micro-batches and the schedule's action lists; the SPMD fields stay the best SPMD plan",
-    4: "fused collective-matmul instructions ag_matmul and matmul_rs (variants ring, sliced2, sliced4; issue 18); "
-       "plans of versions 2 and 3 read unchanged",
+    4: "a param instruction says how its training state is held (state: replicated or zero1, ZeRO stage 1) "
+       "and a plan with zero1 parameters records state_shards (the state ratios, each one's rows per rank, "
+       "the all-gather variant); a version-2 or -3 plan reads as a version-4 one with every state replicated",
+    5: "fused collective-matmul instructions ag_matmul and matmul_rs (variants ring, sliced2, sliced4; issue 18); "
+       "plans of versions 2 to 4 read unchanged",
 }
 
 
@@ -137,6 +141,10 @@ class Plan(_Frozen):
     shape: PlanShape = Field(default=PlanShape.SPMD, description="what `hetsynth run` executes")
     pipeline: Pipeline | None = Field(default=None, description="the pipeline plan (instruction_set.pipeline)")
 
+    state_shards: StateShards | None = Field(
+        default=None, description="ZeRO-1 parameters' optimizer-state rows per rank (instruction_set."
+                                  "training_state); None when every parameter's state is replicated")
+
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
         if self.shape is PlanShape.PIPELINE and self.pipeline is None:
@@ -144,6 +152,11 @@ class Plan(_Frozen):
         if self.pipeline is not None and sum(self.pipeline.micro_batches) != self.model.batch_size:
             raise ValueError(f"micro-batches {list(self.pipeline.micro_batches)} add up to "
                              f"{sum(self.pipeline.micro_batches)}, the batch is {self.model.batch_size}")
+        zero = {i.tensor: (self.graph.node(i.tensor).outputs[0].shape or (None,))[0]
+                for i in self.instructions if i.kind == "param" and i.state != TrainingState.REPLICATED}
+        if zero or self.state_shards is not None:
+            check_state_shards(self.state_shards or StateShards(ratios=self.sharding_ratios, rows={}),
+                               len(self.sharding_ratios), zero)
         if self.gradient_sync is not None:
             check_buckets(self.gradient_sync, self.instructions)
         check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,
@@ -186,7 +199,7 @@ def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
         raw = _from_version_1(raw)
         log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
                     PLAN_CHANGES[2])
-    if raw["version"] in (2, 3):  # version 3 added the pipeline fields, 4 the fused kinds
+    if raw["version"] in (2, 3, 4):  # version 3 added the pipeline fields, 4 the training state, 5 the fused kinds
         raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] != PLAN_VERSION:
         raise PlanError(

@@ -35,6 +35,7 @@ from instruction_set.kinds import Category, Phase, known_kind, kinds
 from instruction_set.kinds import kind as instruction_kind
 from instruction_set.layouts import LayoutField
 from instruction_set.mesh import MeshAxis
+from instruction_set.training_state import TrainingState
 
 Kind = Annotated[str, AfterValidator(known_kind)]  # a registered kind (instruction_set.kinds)
 
@@ -60,6 +61,7 @@ class Instruction(BaseModel):
     predicted_s: float = 0.0
     alternatives: dict[str, float] = Field(default_factory=dict)
     recompute: str = ""  # the recomputed block this instruction runs in (instruction_set.blocks), if any
+    state: TrainingState = TrainingState.REPLICATED  # param: how its training state is held (training_state)
 
     @property
     def runs_op(self) -> bool:
@@ -81,7 +83,8 @@ class Instruction(BaseModel):
         if category is Category.COMPUTE:
             return f"{self.tensor}:{self.layout} = {self.node}({', '.join(map(str, self.inputs))})"
         if category is Category.STORAGE:
-            return f"{self.kind} {self.tensor}:{self.layout}"
+            state = f" [{self.state}]" if self.state != TrainingState.REPLICATED else ""
+            return f"{self.kind} {self.tensor}:{self.layout}{state}"
         arrow = f"{self.src}->{self.layout}" if self.src is not None else self.layout
         variant = f" [{self.variant}]" if self.variant and self.variant != "local" else ""
         phase = " (backward)" if self.phase == "backward" else ""

@@ -72,11 +72,18 @@ def baseline(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float
 
 
 def all_baselines(graph: ReferenceGraph, cluster: ClusterSpec, *, width: int) -> dict[str, BaselineResult]:
-    return {
-        "dp_ev": baseline(graph, cluster, even(cluster), DP, width=width),
-        "dp_cp": baseline(graph, cluster, proportional(cluster), DP, width=width),
-        "megatron": baseline(graph, cluster, even(cluster), megatron_restrictions(cluster), width=width),
-    }
+    """DP-EV, DP-CP and Megatron; one baseline whose space and ratios equal another's (DP-CP
+    on a cluster of equal throughputs is DP-EV) is costed once."""
+    spaces = {"dp_ev": (even(cluster), DP), "dp_cp": (proportional(cluster), DP),
+              "megatron": (even(cluster), megatron_restrictions(cluster))}
+    done: dict[tuple, BaselineResult] = {}
+    out = {}
+    for name, (ratios, restrictions) in spaces.items():
+        key = (ratios, repr(restrictions))
+        if key not in done:
+            done[key] = baseline(graph, cluster, ratios, restrictions, width=width)
+        out[name] = done[key]
+    return out
 
 
 __all__ = ["DP", "GIB", "all_baselines", "baseline", "even", "megatron_restrictions", "proportional",

@@ -55,7 +55,7 @@ def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls:
                  ratios: Sequence[float] | None, width: int) -> dict[int, Plan]:
     big = max(graphs)
     first = make_plan(stage_graph(graphs[big], *calls), cluster, ratios=ratios, width=width, progress=False,
-                      with_baselines=False)
+                      with_baselines=False, allow_zero=False)  # the pipeline runtime keeps optimizer state whole
     plans = {big: first}
     for b, g in graphs.items():
         if b != big:

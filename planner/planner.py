@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cost_models.memory import GIB
 from cost_models.terms import seconds
@@ -44,13 +44,16 @@ from instruction_set.program import COLLECTIVES, Instruction
 from instruction_set.sync import GradientSync
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
-from planner.feasibility import PlanInfeasible, check_training_state_fits
+from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
 from planner.problem import Problem, Restrictions
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
 from planner.recompute import fit_by_recompute
 from planner.fusions import fuse_program, unfuse_program
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
+from planner.zero import (solve_state_ratios, state_shards, with_states, zero1_problem, zero_candidates,
+                          zero_tensors)
 
 log = logging.getLogger(__name__)
 
@@ -93,21 +96,23 @@ class _Stats:
 
 
 def _evaluate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float],
-              program: Sequence[Instruction], restrictions: Restrictions | None = None) -> Candidate:
-    pb = Problem(graph, cluster, ratios, restrictions)
+              program: Sequence[Instruction], restrictions: Restrictions | None = None,
+              state_ratios: Sequence[float] | None = None) -> Candidate:
+    pb = Problem(graph, cluster, ratios, restrictions, state_ratios=state_ratios)
     prediction, sync = predict_program(pb, program)
     return Candidate(tuple(ratios), tuple(program), prediction, sync, pb)
 
 
 def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
                fixed: bool, width: int, progress: bool, memory_weight: float, stats: _Stats,
-               max_rounds: int, restrictions: Restrictions | None) -> Candidate:
+               max_rounds: int, restrictions: Restrictions | None, allow_zero: bool = True) -> Candidate:
     best: Candidate | None = None
     for _ in range(max_rounds):
         stats.rounds += 1
         programs = _programs(graph, cluster, ratios, memory_weight, width, progress, stats, restrictions)
         pb = Problem(graph, cluster, ratios, restrictions)
-        current, terms = _best_predicted(pb, programs)
+        current, terms = _best_predicted(
+            pb, programs, lambda c: _fit_memory(graph, cluster, c, fixed, restrictions, stats, allow_zero))
         best = current if current.better_than(best) else best
         if fixed:
             break
@@ -117,7 +122,8 @@ def _alternate(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float,
             log.info("round %d: no ratios fit this program in memory", stats.rounds)
             break
         stats.lp_s += solution.seconds
-        moved = _evaluate(graph, cluster, pb.devices.expand(solution.ratios), current.program, restrictions)
+        moved = _evaluate(graph, cluster, pb.devices.expand(solution.ratios), current.program, restrictions,
+                          current.problem.state_ratios)
         log.info("round %d: program %.2f ms at the ratios searched, %.2f ms at the LP's ratios (%d device "
                  "classes, %.1f s so far)", stats.rounds, current.prediction.step_time_s * 1e3,
                  moved.prediction.step_time_s * 1e3, pb.width, stats.search_s + stats.lp_s)
@@ -149,19 +155,37 @@ def _count(stats: _Stats, result: SearchResult) -> None:
     stats.exact &= result.exact
 
 
-def _best_predicted(pb: Problem, programs: Sequence[Sequence[Instruction]]) -> tuple[Candidate, list]:
+def _best_predicted(pb: Problem, programs: Sequence[Sequence[Instruction]],
+                    fit: Callable[[Candidate], Candidate | None] | None = None) -> tuple[Candidate, list]:
     """The program with the fastest step as predicted with its gradient sync overlapped and at
     its best bucket cap (what _evaluate predicts, and what the LP then sees), with its terms.
     The search's own cost charges each gradient all-reduce unoverlapped, so a seed it beat
-    (data parallelism: torch DDP's shape) may still be the faster step."""
-    best: tuple[Candidate, list] | None = None
+    (data parallelism: torch DDP's shape) may still be the faster step. A program that does
+    not fit but is faster than every one that does is made to fit by `fit` (ZeRO-1,
+    recomputation: _fit_memory) when some program fits as it is; where none does, the planner
+    fits the best one afterwards (search_plan), and where every program fits nothing changes."""
+    scored = []
     for program in programs:
         sync, terms = choose_buckets(pb, program)
-        candidate = Candidate(pb.ratios, tuple(program), predict(pb, terms), sync, pb)
-        if best is None or candidate.better_than(best[0]):
-            best = (candidate, terms)
-    assert best is not None
+        scored.append((Candidate(pb.ratios, tuple(program), predict(pb, terms), sync, pb), terms))
+    fitting = [c.prediction.step_time_s for c, _ in scored if c.prediction.fits]
+    if fit is not None and fitting:
+        scored = [_fitted(c, t, fit) if not c.prediction.fits and c.prediction.step_time_s < min(fitting)
+                  else (c, t) for c, t in scored]
+    best = scored[0]
+    for candidate, terms in scored[1:]:
+        best = (candidate, terms) if candidate.better_than(best[0]) else best
     return best
+
+
+def _fitted(candidate: Candidate, terms: list, fit: Callable[[Candidate], Candidate | None]) -> tuple[Candidate, list]:
+    """`candidate` made to fit in memory with its terms, or itself when nothing fits."""
+    found = fit(candidate)
+    if found is None:
+        return candidate, terms
+    log.info("a program of %.2f ms that does not fit fits in %.2f ms (%s)", candidate.prediction.step_time_s * 1e3,
+             found.prediction.step_time_s * 1e3, techniques(found.program))
+    return found, choose_buckets(found.problem, found.program)[1]
 
 
 def _programs(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, ...],
@@ -187,9 +211,10 @@ def _programs(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, 
 
 def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
                 width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6,
-                restrictions: Restrictions | None = None) -> tuple[Candidate, _Stats]:
-    """The best program and ratios (raises PlanInfeasible when nothing fits in memory)."""
-    check_training_state_fits(graph, cluster)
+                restrictions: Restrictions | None = None, allow_zero: bool = True) -> tuple[Candidate, _Stats]:
+    """The best program and ratios (raises PlanInfeasible when nothing fits in memory);
+    `allow_zero`: the planner may shard optimizer state (ZeRO-1) to fit."""
+    check_memory_lower_bound(graph, cluster)
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
     log.info("planning %s (%d ops) for %s (%d devices)", graph.model_ref, len(graph.calls), cluster.name,
@@ -197,18 +222,49 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
     stats, weight, best = _Stats(), 0.0, None
     for attempt in range(MEMORY_ATTEMPTS):
         candidate = _alternate(graph, cluster, start, fixed, width, progress, weight, stats, max_rounds,
-                               restrictions)
+                               restrictions, allow_zero)
         best = candidate if candidate.better_than(best) else best
         if best.prediction.fits:
             return best, stats
-        recomputed = _recomputed(graph, cluster, candidate, fixed, restrictions, stats)
-        if recomputed is not None:
-            return recomputed, stats
+        fitted = _fit_memory(graph, cluster, candidate, fixed, restrictions, stats, allow_zero)
+        if fitted is not None:
+            return fitted, stats
         weight = _next_weight(weight, candidate)
         if attempt + 1 < MEMORY_ATTEMPTS:
             log.info("the best plan needs %.2f GiB more than a device holds; searching again with a "
                      "memory penalty (attempt %d of %d)", _overflow(best), attempt + 2, MEMORY_ATTEMPTS)
-    raise PlanInfeasible(_shortfall_message(graph, cluster, best))
+    raise PlanInfeasible(_shortfall_message(graph, cluster, best, allow_zero))
+
+
+def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
+                restrictions: Restrictions | None, stats: _Stats, allow_zero: bool = True) -> Candidate | None:
+    """`candidate` made to fit in memory, the faster of: its replicated parameters' optimizer
+    state sharded (ZeRO-1, planner.zero), with the fewest blocks recomputed that then fit if
+    needed; and the fewest blocks recomputed without ZeRO-1. None when neither fits."""
+    options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
+    allowed = allow_zero and candidate.problem.restrictions.allow_zero
+    zero = zero1_problem(candidate.problem, candidate.program) if allowed else None
+    if zero is not None:
+        pb, program = zero
+        if predict(pb, program_terms(pb, program)).fits:  # memory does not depend on the buckets
+            options.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
+        else:
+            sharded = dataclasses.replace(candidate, program=program, problem=pb)
+            options.append(_recomputed(graph, cluster, sharded, fixed, restrictions, stats))
+    found = [c for c in options if c is not None]
+    if not found:
+        return None
+    best = min(found, key=lambda c: c.prediction.step_time_s)
+    log.info("fits in memory with %s", techniques(best.program))
+    return best
+
+
+def techniques(program: Sequence[Instruction]) -> str:
+    """What a program uses to fit in memory, in words."""
+    zero, units = len(zero_tensors(program)), recomputed_units(program)
+    used = ([f"ZeRO-1 for {zero} parameters"] if zero else []) + ([f"recomputation of {len(units)} blocks"]
+                                                                   if units else [])
+    return " and ".join(used) or "no ZeRO-1 and no recomputation (none applies)"
 
 
 def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
@@ -217,8 +273,10 @@ def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     ratios (planner.recompute), or None."""
     fitting: dict[int, Candidate] = {}  # by id of the program (instructions are not hashable)
 
+    q = candidate.problem.state_ratios
+
     def fits(program: tuple[Instruction, ...]) -> bool:  # at the default buckets: buckets hold no memory
-        pb = Problem(graph, cluster, candidate.ratios, restrictions)
+        pb = Problem(graph, cluster, candidate.ratios, restrictions, state_ratios=q)
         ratios = candidate.ratios
         if not fixed:
             try:
@@ -228,13 +286,12 @@ def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
                 return False
             stats.lp_s += solution.seconds
             ratios = pb.devices.expand(solution.ratios)
-            pb = Problem(graph, cluster, ratios, restrictions)
-        found = _evaluate(graph, cluster, ratios, program, restrictions)  # buckets chosen: the plan records them
+        found = _evaluate(graph, cluster, ratios, program, restrictions, q)  # buckets chosen: the plan records them
         if found.prediction.fits:
             fitting[id(program)] = found
         return found.prediction.fits
 
-    program = fit_by_recompute(Problem(graph, cluster, candidate.ratios, restrictions), candidate.program, fits)
+    program = fit_by_recompute(candidate.problem, candidate.program, fits)
     return None if program is None else fitting[id(program)]
 
 
@@ -246,18 +303,30 @@ def _next_weight(weight: float, candidate: Candidate) -> float:
     return weight * 4.0
 
 
-def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate) -> str:
-    pb = Problem(graph, cluster, best.ratios)
-    ratios, over = least_memory_overflow(program_terms(pb, best.program), [k.memory_gib for k in pb.kinds],
+def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate, allow_zero: bool = True) -> str:
+    """Where the best plan found is short of memory with every technique applied: its
+    replicated parameters' optimizer state sharded (ZeRO-1, at the state LP's ratios), all its
+    blocks recomputed, and the ratios that minimise the largest overflow."""
+    pb, program = _most_memory_saving(best, allow_zero)
+    ratios, over = least_memory_overflow(program_terms(pb, program), [k.memory_gib for k in pb.kinds],
                                          classes=pb.devices)
     worst = max(range(len(over)), key=lambda i: over[i])
     device = cluster.devices[pb.devices.reps[worst]]
     cap = pb.kinds[worst].memory_gib
     others = pb.devices.counts[worst] - 1
-    return (f"no plan fits in memory: the best plan found needs {cap + over[worst]:.2f} GiB on device "
+    return (f"no plan fits in memory: the best plan found needs {gib(cap + over[worst])} GiB on device "
             f"{device.name!r} ({device.kind}, {cap:g} GiB{f'; and {others} more like it' if others else ''}), "
-            f"short by {over[worst]:.2f} GiB even with memory-optimal ratios; use devices with more memory, "
-            f"a smaller batch or a smaller model")
+            f"short by {gib(over[worst])} GiB even with memory-optimal ratios and {techniques(program)}; use "
+            f"devices with more memory, a smaller batch or a smaller model")
+
+
+def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Problem, tuple[Instruction, ...]]:
+    """The best candidate's program with ZeRO-1 (where allowed) and every block recomputed."""
+    pb, program = best.problem, best.program
+    zero = zero1_problem(pb, program) if allow_zero and pb.restrictions.allow_zero else None
+    if zero is not None:
+        pb, program = zero
+    return pb, mark_recomputed(program, recompute_units(pb.graph, program))
 
 
 def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ...]:
@@ -312,13 +381,13 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
               width: int = DEFAULT_WIDTH, progress: bool = True,
               restrictions: Restrictions | None = None, with_baselines: bool = True,
-              bucket_cap: int | None = None) -> Plan:
+              bucket_cap: int | None = None, allow_zero: bool = True) -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests); `bucket_cap`
     forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest)."""
     start = time.perf_counter()
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
-                              restrictions=restrictions)
+                              restrictions=restrictions, allow_zero=allow_zero)
     seconds = time.perf_counter() - start
     if with_baselines:
         log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,
@@ -335,7 +404,7 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
         model=model_info(graph), cluster=cluster, mesh=pb.mesh,
         graph=graph, sharding_ratios=best.ratios,
         shards=shard_table(pb, program), instructions=finalize(pb, program),
-        predicted=prediction, gradient_sync=sync,
+        predicted=prediction, gradient_sync=sync, state_shards=state_shards(pb, program),
         baselines=baselines.all_baselines(graph, cluster, width=width) if with_baselines else {},
         synthesis=SynthesisStats(seconds=seconds, search_seconds=stats.search_s,
                                  lp_seconds=stats.lp_s, states_expanded=stats.expanded,
@@ -358,7 +427,8 @@ def without_sfb(plan: Plan) -> Plan:
     """The same plan with every SFB weight synchronised by a backward all-reduce instead
     (same layouts, ratios and shard lengths), re-predicted: the control of the SFB benchmark."""
     restrictions = Restrictions(two_level=plan.mesh.two_level)
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions,
+                 state_ratios=plan.state_shards.ratios if plan.state_shards else None)
     program = []
     for ins in plan.instructions:
         if ins.kind == "sfb":
@@ -369,3 +439,17 @@ def without_sfb(plan: Plan) -> Plan:
     prediction, sync = predict_program(pb, program)
     return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
                                    "gradient_sync": sync})
+
+
+def with_zero1(plan: Plan, state_ratios: Sequence[float] | None = None) -> Plan:
+    """The same plan with every replicated trained parameter's optimizer state sharded in rows
+    (ZeRO-1) at `state_ratios` (default: the state LP's, planner.zero), re-predicted."""
+    restrictions = Restrictions(two_level=plan.mesh.two_level)
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
+    program = with_states(plan.instructions, zero_candidates(pb, plan.instructions))
+    q = tuple(_normalise(state_ratios, plan.cluster)) if state_ratios is not None else \
+        solve_state_ratios(pb, program)[0]
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions, state_ratios=q)
+    prediction, sync = predict_program(pb, program)
+    return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
+                                   "gradient_sync": sync, "state_shards": state_shards(pb, program)})

@@ -92,6 +92,7 @@ class Restrictions:
     force_fusion: bool = False                   # every fusable pair fused, even if dearer
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     force: dict[str, Layout] = field(default_factory=dict)  # tensor -> layout it is made in
+    allow_zero: bool = True                      # the planner may shard optimizer state (planner.zero)
 
     def __post_init__(self) -> None:
         if self.input_layout is not None:
@@ -135,9 +136,14 @@ def rule_links(node: Node, rules: Sequence[Rule]) -> list[tuple]:
 
 class Problem:
     def __init__(self, graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float],
-                 restrictions: Restrictions | None = None, memory_weight: float = 0.0) -> None:
+                 restrictions: Restrictions | None = None, memory_weight: float = 0.0,
+                 state_ratios: Sequence[float] | None = None) -> None:
         if len(ratios) != cluster.num_devices:
             raise ValueError(f"{len(ratios)} ratios for {cluster.num_devices} devices")
+        if state_ratios is not None and len(state_ratios) != cluster.num_devices:
+            raise ValueError(f"{len(state_ratios)} state ratios for {cluster.num_devices} devices")
+        # q: each device's share of the ZeRO-1 parameters' optimizer state (planner.zero)
+        self.state_ratios = None if state_ratios is None else tuple(float(q) for q in state_ratios)
         self.graph, self.cluster = graph, cluster
         self.ratios = tuple(float(r) for r in ratios)
         self.restrictions = restrictions or Restrictions()
@@ -165,6 +171,12 @@ class Problem:
         self._compute: dict[tuple[str, int], LinearCost] = {}
         self._shares: dict[tuple[str, Layout], tuple[float, ...]] = {}
         self.memo: dict[str, dict] = {}  # memo tables of the search's helpers
+
+    @property
+    def state_shares(self) -> tuple[float, ...]:
+        """q per device class (its first device's: the state LP gives a class one ratio)."""
+        assert self.state_ratios is not None, "a zero1 parameter needs the problem's state ratios"
+        return tuple(self.state_ratios[r] for r in self.devices.reps)
 
     # -- graph facts ----------------------------------------------------------------------
     def meta(self, tensor: str) -> TensorMeta:
@@ -297,6 +309,10 @@ class Problem:
         """The optimizer step of a parameter stored in `layout` (cost_models.compute)."""
         node = self.graph.node(tensor)
         return update_cost(node, layout.is_shard, self.kinds, self.graph.update_s, self.reference)
+
+    def update_rows_linear(self, tensor: str) -> LinearCost:
+        """The optimizer step of a parameter on a device's rows: b_i times its state share."""
+        return update_cost(self.graph.node(tensor), True, self.kinds, self.graph.update_s, self.reference)
 
     @cached_property
     def reference(self) -> Reference | None:

@@ -71,11 +71,12 @@ def _solver() -> tuple[pulp.LpSolver, str]:
     return pulp.PULP_CBC_CMD(msg=False), "CBC"
 
 
-def top_level(terms: Sequence[Term]) -> tuple[list[Form], Counter]:
+def top_level(terms: Sequence[Term]) -> tuple[list[Form], list[tuple[Overlap, int]]]:
     """The terms' forms outside any Overlap (a Series adds its parts), in order, and their
-    Overlaps with multiplicity."""
+    Overlaps with multiplicity (the same object met again; by identity: hashing an Overlap
+    would walk its whole tree)."""
     leaves: list[Form] = []
-    overlaps: Counter = Counter()
+    overlaps: dict[int, list] = {}
 
     def add(c: Cost) -> None:
         if isinstance(c, Form):
@@ -84,11 +85,11 @@ def top_level(terms: Sequence[Term]) -> tuple[list[Form], Counter]:
             for p in c.parts:
                 add(p)
         else:
-            overlaps[c] += 1
+            overlaps.setdefault(id(c), [c, 0])[1] += 1
 
     for t in terms:
         add(t.time)
-    return leaves, overlaps
+    return leaves, [(o, n) for o, n in overlaps.values()]
 
 
 def group_forms(leaves: Sequence[Form], compute: bool) -> tuple[Counter, float]:
@@ -150,6 +151,7 @@ class _Lowering:
         self.prob, self.s, self.count = prob, s, 0
         self.forms: dict[tuple, pulp.LpVariable] = {}
         self.overlaps: dict[int, pulp.LpVariable] = {}
+        self.series: dict[int, pulp.LpAffineExpression] = {}
 
     def _variable(self, prefix: str) -> tuple[pulp.LpVariable, str]:
         name = f"{prefix}_{self.count}"
@@ -158,8 +160,10 @@ class _Lowering:
 
     def expr(self, c: Cost) -> pulp.LpAffineExpression | float:
         """E(c): an affine expression bounding c from above, tight at the optimum."""
-        if isinstance(c, Series):
-            return pulp.lpSum(self.expr(p) for p in c.parts)
+        if isinstance(c, Series):  # a Series shared by several branches is summed once
+            if id(c) not in self.series:
+                self.series[id(c)] = pulp.lpSum(self.expr(p) for p in c.parts)
+            return self.series[id(c)]
         if isinstance(c, Form):
             return seconds(c) if c.is_constant else self._form(c)
         if id(c) not in self.overlaps:
@@ -178,10 +182,11 @@ class _Lowering:
         return self.forms[key]
 
 
-def add_overlaps(prob: pulp.LpProblem, s: dict[str, list], overlaps: Counter) -> pulp.LpAffineExpression:
+def add_overlaps(prob: pulp.LpProblem, s: dict[str, list],
+                 overlaps: Sequence[tuple[Overlap, int]]) -> pulp.LpAffineExpression:
     """One epigraph variable per distinct Overlap; returns the weighted sum for the objective."""
     lowering = _Lowering(prob, s)
-    return pulp.lpSum(count * lowering.expr(o) for o, count in overlaps.items())
+    return pulp.lpSum(count * lowering.expr(o) for o, count in overlaps)
 
 
 def memory_forms(terms: Sequence[Term], n: int) -> tuple[list[float], dict[str, list[float]]]:

@@ -53,8 +53,10 @@ from typing import Sequence
 from cost_models.linear_cost import LinearCost
 from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
 from instruction_set.kinds import Category, Phase
+from instruction_set.kinds import kind as instruction_kind
 from instruction_set.plan import Prediction
 from instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
+from instruction_set.training_state import TrainingState
 from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, SYNC_MESSAGES, GradBucket, GradientSync, assign_buckets
 from planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
 from planner.evaluate import first_input_layouts, instruction_term, predict
@@ -184,7 +186,30 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
     ready = ready_indices(program, buckets)
     sync = [bucket_sync(pb, b) for b in buckets]
     overlap = Term(backward_overlap(backward, ready, sync, transfer_losses(pb, buckets, sync)))
-    return forward + [overlap] + post + scalar_terms(pb, program) + recompute_memory(pb, program)
+    return forward + [overlap] + post + state_gather_terms(pb, program) + scalar_terms(pb, program) + \
+        recompute_memory(pb, program)
+
+
+def state_gather_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
+    """The all-gather after the step that brings every device the ZeRO-1 parameters' updated
+    rows (runtime.zero: one padded all-gather of every rank's rows, at the state ratios q)."""
+    nbytes = state_gather_bytes(pb, program)
+    if nbytes == 0.0:
+        return []
+    q = pb.state_shares
+    cost = pb.comm.cost("all_gather", state_gather_variant(pb, program), nbytes, "all", q)
+    return [Term.leaf(cost, Shares(q, ShareKind.FIXED), Category.COMMUNICATION)]
+
+
+def state_gather_bytes(pb: Problem, program: Sequence[Instruction]) -> float:
+    return float(sum(pb.meta(i.tensor).nbytes for i in program if i.kind == "param" and i.state == TrainingState.ZERO1))
+
+
+def state_gather_variant(pb: Problem, program: Sequence[Instruction]) -> str:
+    """The all-gather variant the model predicts fastest for the ZeRO-1 rows at the state ratios."""
+    nbytes, q = state_gather_bytes(pb, program), pb.state_shares
+    return min(instruction_kind("all_gather").variants,
+               key=lambda v: pb.comm.cost("all_gather", v, nbytes, "all", q).at(q))
 
 
 def transfer_losses(pb: Problem, buckets: Sequence[GradBucket],
@@ -251,5 +276,5 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
 
 
 __all__ = ["CAPS_BYTES", "DDP_SHAPE", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
-           "ready_indices", "scalar_terms",
+           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant",
            "param_shards", "predict_program", "program_terms", "TransferCpu"]

@@ -44,8 +44,9 @@ def _local_state(trainer: Trainer) -> dict[str, tuple[str, torch.Tensor, dict[st
     out = {}
     for p in trainer.program.params:
         param = getattr(module, p.name)
+        held = trainer.zero.leaf_of(param) if trainer.zero is not None else param  # ZeRO-1: this rank's rows
         state = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
-                 for k, v in trainer.optimizer.state.get(param, {}).items()}
+                 for k, v in trainer.optimizer.state.get(held, {}).items()}
         out[p.fqn] = (p.layout, param.detach().cpu(), state)
     return out
 
@@ -53,15 +54,30 @@ def _local_state(trainer: Trainer) -> dict[str, tuple[str, torch.Tensor, dict[st
 def _assemble_state(plan: Plan, gathered: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     params = assemble(plan, [{k: (v[0], v[1]) for k, v in g.items()} for g in gathered])
     optim: dict[str, dict] = {}
+    rows = _zero_fqns(plan)
     for fqn, (layout, _, state) in gathered[0].items():
         entry: dict[str, Any] = {}
         for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
+            if torch.is_tensor(value) and value.dim() > 0 and fqn in rows:  # ZeRO-1: every rank's rows
+                entry[key] = torch.cat([g[fqn][2][key] for g in gathered])
+            elif torch.is_tensor(value) and value.dim() > 0:
                 entry[key] = assemble(plan, [{fqn: (layout, g[fqn][2][key])} for g in gathered])[fqn]
             else:
                 entry[key] = value
         optim[fqn] = entry
     return params, optim
+
+
+def _zero_fqns(plan: Plan) -> dict[str, str]:
+    """fqn -> plan tensor of the ZeRO-1 parameters (their optimizer state is held in rows)."""
+    if plan.state_shards is None:
+        return {}
+    return {plan.graph.node(name).fqn: name for name in plan.state_shards.rows}
+
+
+def _rows(plan: Plan, name: str, rank: int, full: torch.Tensor) -> torch.Tensor:
+    rows = plan.state_shards.rows[name]  # type: ignore[union-attr]
+    return full.narrow(0, sum(rows[:rank]), rows[rank])
 
 
 def save_checkpoint(trainer: Trainer, path: str | Path, step: int) -> None:
@@ -169,8 +185,11 @@ def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None
         with torch.no_grad():
             param.copy_(local_slice(plan, p.name, p.layout, rank, full))
         state = ckpt["optimizer"]["state"].get(p.fqn, {})
-        trainer.optimizer.state[param] = {  # copies: the file is memory-mapped
-            k: (local_slice(plan, p.name, p.layout, rank, v).to(param.device, param.dtype, copy=True)
+        zero = p.fqn in _zero_fqns(plan)
+        held = trainer.zero.leaf_of(param) if trainer.zero is not None else param
+        trainer.optimizer.state[held] = {  # copies: the file is memory-mapped
+            k: ((_rows(plan, p.name, rank, v) if zero else local_slice(plan, p.name, p.layout, rank, v))
+                .to(param.device, param.dtype, copy=True)
                 if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
             for k, v in state.items()}
     _load_buffers(trainer, ckpt["model"], str(path))

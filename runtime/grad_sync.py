@@ -15,15 +15,21 @@ All-reduce variants are chains of asynchronous collectives, "stages":
     hierarchical  reduce-scatter in the node, all-reduce of each rank's part across nodes,
                   all-gather in the node (BlueConnect; runtime.collectives.allreduce)
 
-A stage of a bucket is issued when the bucket's previous stage has completed (checked at
-every gradient hook, and blocking in finish()). gloo wants the collectives of a process group
-in the same order on every rank, but completions arrive in a rank-dependent order; so every
-(variant, axis, stage) "lane" has process groups of its own, used by nothing else, and a lane
-issues its stage for the buckets strictly in index order. Each group thus sees one fixed
-sequence of calls on every rank. (An earlier version ran the buckets on a Python side thread;
-each hand-off between threads cost ~9 ms under a 0.25-CPU quota: 26 small buckets waited 340 ms
-after the backward, against 120 ms for one unoverlapped bucket. DDP's Reducer, too, issues
-async work from the hooks.)
+A stage of a bucket is issued as soon as the bucket's previous stage has completed: the
+completion of a stage's work runs a callback (its future's `then`, on gloo's thread) that
+issues what has become ready, and the gradient hooks and finish() do the same. (Issuing a
+stage only at the next gradient hook left each stage of a hierarchical bucket waiting for
+the slowest rank's next hook: on the emulated cluster its first bucket took 150 ms for
+0.85 MiB where a ring took 90 ms, against a wire time of 35 ms.) One lock guards the buckets'
+state, so a hook and a callback never issue at once. gloo wants the collectives of a process
+group in the same order on every rank, but completions arrive in a rank-dependent order; so
+every (variant, axis, stage) "lane" has process groups of its own, used by nothing else, and a
+lane issues its stage for the buckets strictly in index order. Each group thus sees one fixed
+sequence of calls on every rank. (An earlier version ran the buckets on a Python side thread
+fed by a queue; each hand-off between threads cost ~9 ms under a 0.25-CPU quota: 26 small
+buckets waited 340 ms after the backward, against 120 ms for one unoverlapped bucket. DDP's
+Reducer, too, issues async work from the hooks; a callback runs on the thread that completed
+the work, with no hand-off.)
 
 Expected gradients: a parameter that a rank's program does not use (the addend another rank
 keeps, `once:` local rewrites) gets no gradient there; its view stays zero, a zero summand.
@@ -33,6 +39,7 @@ expected does not fire, the bucket is launched by `finish()` (counted as late).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,6 +66,46 @@ class BucketTiming:
     late: bool          # launched by finish(), not by a gradient hook
 
 
+class Pending:
+    """A stage's work seen through its future where the backend gives one (gloo's
+    reduce_scatter does not: it is then only polled, by the hooks and finish(), and waited
+    exactly once, whichever thread asks first)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.lock = work, threading.Lock()
+        self.waited, self.error = False, None
+        try:
+            self.future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented"
+            self.future = None
+
+    def done(self) -> bool:
+        """Finished (gloo's reduce_scatter work may report itself complete only once waited)."""
+        if self.future is not None:
+            return self.future.done()
+        return self.waited or self.work.is_completed()
+
+    def wait(self) -> None:
+        """The result (raises the work's error). A completion callback runs before gloo marks
+        the work itself complete, so it must not call Work.wait(): that would wait for itself."""
+        if self.future is not None:
+            self.future.wait()
+            return
+        with self.lock:
+            if not self.waited:
+                try:
+                    self.work.wait()
+                except Exception as err:  # noqa: BLE001 - kept, raised to every caller
+                    self.error = err
+                self.waited = True
+        if self.error is not None:
+            raise self.error
+
+    def then(self, callback: Callable[[Any], None]) -> None:
+        if self.future is not None:
+            self.future.then(callback)
+
+
 @dataclass
 class BucketRun:
     spec: GradBucket
@@ -68,7 +115,7 @@ class BucketRun:
     pending: int = 0
     fired: set[int] = field(default_factory=set)
     stage: int = 0                        # next stage to issue
-    works: list[Any] = field(default_factory=list)    # outstanding work of the current stage
+    works: list["Pending"] = field(default_factory=list)    # outstanding work of the current stage
     state: list[Any] = field(default_factory=list)    # per buffer: what the next stage needs
     launched_s: float = 0.0
     done_s: float = 0.0
@@ -175,6 +222,9 @@ class GradientSync:
         self.next = 0            # next bucket to launch
         self.start_s = 0.0
         self.learnt = False
+        self.lock = threading.RLock()   # the buckets' state: hooks, callbacks and finish()
+        self.driving = self.again = False
+        self.error: BaseException | None = None   # raised by a completion callback
         for k, run in enumerate(buckets):
             for i, p in enumerate(run.params):
                 p.register_post_accumulate_grad_hook(lambda _p, k=k, i=i: self.on_grad(k, i))
@@ -194,6 +244,7 @@ class GradientSync:
 
     def begin_step(self) -> None:
         """Zero the buffers (the grads stay views) and arm every bucket."""
+        self.error = None
         for run in self.buckets:
             for b in run.buffers:
                 b.zero_()
@@ -202,13 +253,37 @@ class GradientSync:
         self.start_s = time.perf_counter()
 
     def on_grad(self, k: int, i: int) -> None:
-        run = self.buckets[k]
-        run.fired.add(i)
-        if i in run.expected:
-            run.pending -= 1
-        while self.next < len(self.buckets) and self.buckets[self.next].pending <= 0:
-            self._launch(self.buckets[self.next])
-        self._advance()
+        with self.lock:
+            run = self.buckets[k]
+            run.fired.add(i)
+            if i in run.expected:
+                run.pending -= 1
+            while self.next < len(self.buckets) and self.buckets[self.next].pending <= 0:
+                self._launch(self.buckets[self.next])
+            self._drive()
+
+    def _drive(self) -> None:
+        """_advance until nothing more is ready (lock held). A completion callback that runs
+        inline, inside an _advance of this thread (its work was already done when chained),
+        only asks for another round."""
+        if self.driving:
+            self.again = True
+            return
+        self.driving = self.again = True
+        try:
+            while self.again:
+                self.again = False
+                self._advance()
+        finally:
+            self.driving = False
+
+    def _on_stage_done(self, _: Any) -> None:
+        """A stage's work completed (gloo's thread, or inline): issue what is ready now."""
+        try:
+            with self.lock:
+                self._drive()
+        except BaseException as err:  # a callback must not raise into gloo; finish() does
+            self.error = self.error or err
 
     def _launch(self, run: BucketRun) -> None:
         """Issue the bucket's first stage (its lane's earlier buckets all have: launch order)."""
@@ -221,7 +296,10 @@ class GradientSync:
         _, issue = _stages(run.spec.variant)[run.stage]
         group = self.lanes[(run.spec.variant, run.spec.axis, run.stage)]
         pairs = [issue(flat, state, group) for flat, state in zip(run.buffers, run.state)]
-        run.works, run.state = [w for w, _ in pairs], [s for _, s in pairs]
+        run.works, run.state = [Pending(w) for w, _ in pairs], [s for _, s in pairs]
+        if run.stage + 1 < len(_stages(run.spec.variant)):  # a later stage waits for this one
+            for p in run.works:
+                p.then(self._on_stage_done)
 
     def _advance(self) -> None:
         """Complete the stages whose work is done and issue each bucket's next stage, a lane's
@@ -229,7 +307,7 @@ class GradientSync:
         not issued that stage yet)."""
         waiting: set[tuple[str, str, int]] = set()   # lanes where an earlier bucket is behind
         for run in self.buckets[:self.next]:
-            if run.works and all(w.is_completed() for w in run.works):
+            if run.works and all(f.done() for f in run.works):
                 self._complete(run)
             variant, axis, n = run.spec.variant, run.spec.axis, len(_stages(run.spec.variant))
             if not run.works and run.stage < n and (variant, axis, run.stage) not in waiting:
@@ -237,18 +315,11 @@ class GradientSync:
             issued = run.stage if run.works else run.stage - 1
             waiting |= {(variant, axis, s) for s in range(issued + 1, n)}
 
-    def _advance_one(self, run: BucketRun) -> None:
-        """Drive one bucket's remaining stages to the end, blocking (called in index order, so
-        every lane still issues in index order)."""
-        while run.works:
-            self._complete(run)
-            if run.stage < len(_stages(run.spec.variant)):
-                self._issue(run)
-
     def _complete(self, run: BucketRun) -> None:
-        for w in run.works:
+        """Take a finished stage."""
+        for p in run.works:
             try:
-                w.wait()
+                p.wait()
             except Exception as err:
                 spec = run.spec
                 raise GradientSyncError(
@@ -265,16 +336,35 @@ class GradientSync:
 
     def finish(self) -> list[BucketTiming]:
         """Launch the buckets left (late), in order; complete every stage; timings."""
-        while self.next < len(self.buckets):
-            self.buckets[self.next].late = True
-            self._launch(self.buckets[self.next])
+        with self.lock:
+            while self.next < len(self.buckets):
+                self.buckets[self.next].late = True
+                self._launch(self.buckets[self.next])
+            self._drive()
         for run in self.buckets:
-            self._advance_one(run)
+            self._wait(run)
         if not self.learnt:  # from now on expect exactly the gradients this step produced
             for run in self.buckets:
                 run.expected = set(run.fired)
             self.learnt = True
         return [BucketTiming(r.spec.index, r.nbytes, r.launched_s, r.done_s, r.late) for r in self.buckets]
+
+    def _wait(self, run: BucketRun) -> None:
+        """Block until every stage of `run` has completed (a stage's work is waited outside
+        the lock, then its completion taken under it, by whichever thread gets there first)."""
+        while True:
+            with self.lock:
+                if self.error is not None:
+                    raise self.error
+                self._drive()
+                if run.stage == len(_stages(run.spec.variant)):
+                    return
+                pending = list(run.works)
+            for p in pending:
+                try:
+                    p.wait()
+                except Exception:  # noqa: BLE001 - _complete names the bucket when it waits the work
+                    pass
 
 
 __all__ = ["BucketRun", "BucketTiming", "GradientSync", "GradientSyncError", "STAGES", "lane_groups"]

@@ -38,6 +38,7 @@ from runtime.codegen import RankProgram, build_rank_program
 from runtime.config import TrainConfig
 from runtime.grad_sync import BucketTiming, GradientSync
 from runtime.groups import Groups
+from runtime.zero import ZeroState
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Trainer:
     log: list[StepLog] = field(default_factory=list)
     sync: GradientSync | None = None
     on_gradients: Callable[[], None] | None = None  # called once the gradients are synchronised
+    zero: ZeroState | None = None  # the ZeRO-1 parameters' rows (runtime.zero)
 
 
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -91,8 +93,11 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     buffers = {k: v for k, v in state.items() if k not in _param_names(spec)}
     del state  # no rank keeps whole copies of the parameters
     sync = _gradient_sync(plan, program, groups)
-    optimizer = make_optimizer(list(program.module.parameters()), config)
-    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers, sync=sync)
+    zero = ZeroState.build(program.module, plan, groups)
+    params = list(program.module.parameters())
+    optimizer = make_optimizer(zero.optimizer_params(params) if zero is not None else params, config)
+    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers, sync=sync,
+                   zero=zero)
 
 
 def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
@@ -194,7 +199,11 @@ def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) 
         trainer.on_gradients()
     if trainer.config.max_grad_norm is not None:
         clip_global_norm(trainer, trainer.config.max_grad_norm)
+    if trainer.zero is not None:
+        trainer.zero.before_step()
     trainer.optimizer.step()
+    if trainer.zero is not None:
+        trainer.zero.after_step()
     _zero_unbucketed(trainer)
     marks.append(("update", time.perf_counter()))
     loss_work.wait()

@@ -98,3 +98,52 @@ def test_cost_model_counts_the_runtime_stages() -> None:
     from runtime.grad_sync import STAGES
 
     assert {v: len(s) for v, s in STAGES.items()} == SYNC_MESSAGES
+
+
+class _FutureLessWork:
+    """A work like gloo's reduce_scatter: no future, complete only once waited."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> bool:
+        self.waits += 1
+        return True
+
+
+def test_a_futureless_stage_is_waited_once_and_then_done() -> None:
+    from runtime.grad_sync import Pending
+
+    work = _FutureLessWork()
+    pending = Pending(work)
+    pending.then(lambda _: pytest.fail("a work without a future has no callback"))
+    assert not pending.done()
+    pending.wait()
+    pending.wait()  # the hook path and finish() may both ask: gloo's work is waited once
+    assert work.waits == 1 and pending.done()
+
+
+def test_a_stage_with_a_future_chains_its_callback() -> None:
+    import torch
+
+    from runtime.grad_sync import Pending
+
+    class Work:
+        def __init__(self) -> None:
+            self.future = torch.futures.Future()
+
+        def get_future(self):
+            return self.future
+
+    work, seen = Work(), []
+    pending = Pending(work)
+    pending.then(seen.append)
+    assert not pending.done() and not seen
+    work.future.set_result(None)  # completion runs the callback that issues the next stage
+    assert pending.done() and len(seen) == 1

@@ -1,6 +1,6 @@
 """Typed layouts (instruction_set.layouts): one parser of the text form, interned values that
 survive pickle and copies, string order, layouts bound to a (sub-)mesh, and the plan's JSON
-(version 4, version-1 to -3 files still read)."""
+(version 5, version-1 to -4 files still read)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_plan_json_round_trip_keeps_layouts_as_text(plan: Plan, tmp_path: Path) 
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     raw = json.loads(path.read_text())
-    assert raw["version"] == PLAN_VERSION == 4
+    assert raw["version"] == PLAN_VERSION == 5
     assert raw["mesh"] == {"num_nodes": 2, "per_node": 2, "two_level": True, "first_rank": 0}
     texts = {i["layout"] for i in raw["instructions"]} | {l for t in raw["shards"].values() for l in t}
     assert all(isinstance(t, str) and TEXT.fullmatch(t) for t in texts) and any("|" in t for t in texts)
@@ -149,11 +149,11 @@ def test_a_version_1_plan_is_read_with_a_warning(plan: Plan, caplog: pytest.LogC
     old = _as_version_1(json.loads(plan.model_dump_json()))
     with caplog.at_level(logging.WARNING, logger="instruction_set.plan"):
         assert plan_from_json(old, "old.json") == plan
-    assert "old.json is plan format version 1; read as version 4" in caplog.text
+    assert f"old.json is plan format version 1; read as version {PLAN_VERSION}" in caplog.text
 
 
 def test_another_version_is_refused_saying_what_changed(plan: Plan) -> None:
-    raw = {**json.loads(plan.model_dump_json()), "version": 5}
-    with pytest.raises(PlanError, match=r"new.json is plan format version 5; this hetsynth reads versions 1 to 4 "
-                                        r"\(version 4: fused collective-matmul.*Re-run `hetsynth plan`"):
+    raw = {**json.loads(plan.model_dump_json()), "version": 6}
+    with pytest.raises(PlanError, match=r"new.json is plan format version 6; this hetsynth reads versions 1 to 5 "
+                                        r"\(version 5: fused collective-matmul.*Re-run `hetsynth plan`"):
         plan_from_json(raw, "new.json")

@@ -94,12 +94,29 @@ def _small_memory(memory_gib: float) -> dict:
 
 
 def test_infeasible_memory_names_the_device() -> None:
-    # gpt:tiny's training state (0.42 MiB) fits in the two devices together, its activations do not
+    # gpt:tiny's training state (0.42 MiB) and its unavoidable activations fit in the two devices
+    # together; no plan does: the message names the device, the shortfall and what was tried
     with pytest.raises(PlanInfeasible) as info:
-        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(_small_memory(0.00025)))
+        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(_small_memory(0.0003)))
     msg = str(info.value)
-    assert "'n/0'" in msg or "'n/1'" in msg
-    assert "short by" in msg and "GiB" in msg
+    assert "the best plan found needs" in msg and ("'n/0'" in msg or "'n/1'" in msg)
+    assert "short by" in msg and "GiB" in msg and "recomputation of 2 blocks" in msg
+
+
+def test_memory_lower_bound_refuses_before_any_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """State and unavoidable activations (0.54 MiB) beyond both devices (0.5 MiB), though the
+    state alone (0.42 MiB) fits: refused by the lower bound, no search runs."""
+    import planner.baselines
+    import planner.planner
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("a search ran before the lower bound refused the problem")
+
+    monkeypatch.setattr(planner.planner, "synthesize", no_search)
+    monkeypatch.setattr(planner.baselines, "synthesize", no_search)
+    graph = hetsynth.capture_model("gpt:tiny")
+    with pytest.raises(PlanInfeasible, match=r"all 2 blocks recomputed .* short by [0-9.e-]+ GiB"):
+        search_plan(graph, cluster_from_dict(_small_memory(0.00025)), progress=False)
 
 
 def test_training_state_beyond_all_memory_is_refused_before_the_search() -> None:

@@ -4,6 +4,8 @@ shard, tensor-parallel blocks whose collectives run again in the backward)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
@@ -44,7 +46,7 @@ def test_planner_recomputes_when_memory_is_tight(pools) -> None:
     kinds = {k: v.model_copy(update={"memory_gib": (low + high) / 2}) for k, v in plain.cluster.device_kinds.items()}
     cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
     plan = make_plan(plain.graph, cluster, ratios=[0.7, 0.3], progress=False, with_baselines=False,
-                     restrictions=DP_SEED)
+                     restrictions=dataclasses.replace(DP_SEED, allow_zero=False))  # (ZeRO-1: tests/test_zero.py)
     assert plan.predicted.fits and recomputed_units(plan.instructions)
     assert plan.predicted.step_time_s > plain.predicted.step_time_s
     predicted_step(plan)  # the trace lays the recomputation out as the prediction does (it checks the totals)

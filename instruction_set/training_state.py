@@ -1,0 +1,71 @@
+"""How a trained parameter's training state is held: whole on every replica, or sharded in rows.
+
+    REPLICATED  parameter, gradient and optimizer state whole on every device that holds the
+                parameter (the gradient all-reduced: data parallelism)
+    ZERO1       optimizer state sharded in rows of dim 0 over all devices (Rajbhandari et al.,
+                ZeRO, SC'20, stage 1): the gradient is all-reduced as for REPLICATED, each
+                device updates only its rows (an optimizer over a view of them), and an
+                all-gather after the step brings every device the updated parameter
+
+A ZERO1 parameter's rows per rank (`StateShards.rows`) come from the plan's state ratios q (one
+per device, chosen from each device's free memory and speed, planner.zero) by largest
+remainder, once, in the plan; a rank may hold zero rows. Rows of dim 0, not flat ranges:
+a rank's rows are contiguous in the parameter, so its optimizer's shard is a view of the
+module's parameter, and a checkpoint reassembles whole tensors by rows.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from instruction_set.kinds import kind as instruction_kind
+from instruction_set.shards import largest_remainder
+
+
+class TrainingState(StrEnum):
+    REPLICATED = "replicated"
+    ZERO1 = "zero1"
+
+
+class StateShards(BaseModel):
+    """The state ratios q (per device) and every ZERO1 parameter's rows per rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ratios: tuple[float, ...]
+    rows: dict[str, tuple[int, ...]]
+    variant: str = "padded"  # of the post-step all-gather of the rows (instruction_set.kinds: all_gather's)
+
+    def offset(self, tensor: str, rank: int) -> int:
+        return sum(self.rows[tensor][:rank])
+
+
+def state_rows(ratios: Sequence[float], dim0: int) -> tuple[int, ...]:
+    """Rows of a parameter of `dim0` rows per device at state ratios `ratios`."""
+    return tuple(largest_remainder(ratios, dim0))
+
+
+def check_state_shards(shards: StateShards, num_devices: int, dims0: dict[str, int | None]) -> None:
+    """Raise ValueError unless every ZERO1 parameter (`dims0`: its dim 0, None if scalar) has
+    rows for every device summing to its dim 0, and no other tensor has rows."""
+    if shards.variant not in instruction_kind("all_gather").variants:
+        raise ValueError(f"state_shards.variant {shards.variant!r}: use one of "
+                         f"{list(instruction_kind('all_gather').variants)}")
+    if len(shards.ratios) != num_devices:
+        raise ValueError(f"state_shards.ratios has {len(shards.ratios)} entries for {num_devices} devices")
+    extra = sorted(set(shards.rows) - set(dims0))
+    if extra:
+        raise ValueError(f"state_shards has rows for {extra[:3]}, which are no zero1 parameters")
+    for tensor, dim0 in dims0.items():
+        rows = shards.rows.get(tensor)
+        if dim0 is None:
+            raise ValueError(f"zero1 parameter {tensor} has no dim 0 to shard in rows")
+        if rows is None or len(rows) != num_devices or sum(rows) != dim0 or min(rows) < 0:
+            raise ValueError(f"zero1 parameter {tensor} (dim 0 of {dim0}) has rows {rows}; need "
+                             f"{num_devices} lengths >= 0 summing to {dim0}")
+
+
+__all__ = ["StateShards", "TrainingState", "check_state_shards", "state_rows"]

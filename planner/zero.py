@@ -1,0 +1,155 @@
+"""ZeRO-1 as a planning decision: which parameters shard their optimizer state, and the state
+ratios q that size each device's rows from its free memory and its speed.
+
+A ZeRO-1 parameter (instruction_set.training_state) keeps its parameter and gradient whole
+and holds only its rows' optimizer state; the gradient is all-reduced as before, each device
+updates its rows, and one all-gather after the step brings every device the new rows. The
+candidates are the trained parameters stored replicated over every device (layout R): their
+gradient is all-reduced over all devices, so any device can own any row.
+
+The state LP, at fixed compute ratios r and program (classes c of interchangeable devices,
+n_c devices each; per device of class c: M_c the bytes of everything but the ZeRO-1 state,
+S the ZeRO-1 state bytes (OPTIMIZER_COPIES - 2 copies of the parameters), U_c the seconds to
+update all ZeRO-1 parameters, G the post-step all-gather's seconds at even q, g devices):
+
+    minimise    t + G g m
+    subject to  sum_c n_c q_c = 1,   q_c >= 0
+                t >= U_c q_c                          (the update: every device its own rows)
+                m >= q_c                              (the padded all-gather pays the largest share)
+                M_c + S q_c <= capacity_c             (memory)
+
+then, among the solutions within 0.1% of that time, the one that leaves every device the
+same fraction of its memory free (minimise mu s.t. M_c + S q_c <= mu capacity_c): so the
+state follows the memories where time does not decide (equal speeds), and the rows move off
+a device that memory binds. The full prediction (planner.step_cost) then costs the program at
+the rounded rows. q is one ratio per class (the cost model's entries), each device of a class
+gets it; the rows per parameter come from q by largest remainder (training_state.state_rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import pulp
+
+from cost_models.memory import OPTIMIZER_COPIES
+from instruction_set.layouts import R
+from instruction_set.program import Instruction
+from instruction_set.training_state import StateShards, TrainingState, state_rows
+from planner.evaluate import memory_bytes
+from planner.problem import Problem
+from planner.ratios import MemoryInfeasible, _solver
+from planner.step_cost import program_terms, state_gather_variant
+
+log = logging.getLogger(__name__)
+
+
+def zero_candidates(pb: Problem, program: Sequence[Instruction]) -> list[str]:
+    """The trained parameters stored whole on every device, with a dim 0 to shard in rows."""
+    return [i.tensor for i in program if i.kind == "param" and i.layout is R and pb.requires_grad(i.tensor)
+            and pb.meta(i.tensor).shape]
+
+
+def with_states(program: Sequence[Instruction], tensors: Sequence[str],
+                state: TrainingState = TrainingState.ZERO1) -> tuple[Instruction, ...]:
+    """The program with these parameters' training state set to `state`."""
+    chosen = set(tensors)
+    return tuple(i.model_copy(update={"state": state}) if i.kind == "param" and i.tensor in chosen else i
+                 for i in program)
+
+
+def zero_tensors(program: Sequence[Instruction]) -> list[str]:
+    return [i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO1]
+
+
+def state_shards(pb: Problem, program: Sequence[Instruction]) -> StateShards | None:
+    """Every ZeRO-1 parameter's rows per rank at pb's state ratios (None: none is ZeRO-1)."""
+    tensors = zero_tensors(program)
+    if not tensors:
+        return None
+    assert pb.state_ratios is not None
+    return StateShards(ratios=pb.state_ratios, variant=state_gather_variant(pb, program),
+                       rows={t: state_rows(pb.state_ratios, pb.meta(t).shape[0]) for t in tensors})
+
+
+def _fixed_parts(pb: Problem, program: Sequence[Instruction]) -> tuple[list[float], float, list[float]]:
+    """Per class: bytes of everything but the ZeRO-1 state (M_c); the state bytes S; update
+    seconds of all ZeRO-1 parameters on the whole rows (U_c)."""
+    zero = set(zero_tensors(program))
+    probe = Problem(pb.graph, pb.cluster, pb.ratios, pb.restrictions,
+                    state_ratios=(0.0,) * pb.cluster.num_devices)
+    fixed = memory_bytes(pb.width, program_terms(probe, program))
+    state = (OPTIMIZER_COPIES - 2) * float(sum(pb.meta(t).nbytes for t in zero))
+    update = [0.0] * pb.width
+    for t in zero:
+        cost = pb.update_rows_linear(t)
+        update = [u + a + b for u, a, b in zip(update, cost.a, cost.b)]
+    return fixed, state, update
+
+
+def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tuple[float, ...], bool]:
+    """q per device (module docstring's LP), and whether the state fits at it: where no q
+    fits, the q that leaves the largest share of memory over (mu > 1) least exceeded."""
+    fixed, state, update = _fixed_parts(pb, program)
+    caps = [k.memory_gib * 2**30 for k in pb.kinds]
+    counts, g = pb.devices.counts, pb.cluster.num_devices
+    nbytes = state / max(OPTIMIZER_COPIES - 2, 1)
+    gather = pb.comm.cost("all_gather", "padded", nbytes, "all").at((1.0 / g,) * pb.width) * g if g > 1 else 0.0
+    prob, q, t, m = _state_lp(counts, update)
+    for c, cap in enumerate(caps):
+        prob += fixed[c] + state * q[c] <= cap, f"memory_{c}"
+    prob += t + gather * m
+    best_s = _solve(prob)
+    prob, q, t, m = _state_lp(counts, update)  # the balance: a fresh LP, bounded by that time
+    if best_s is not None:
+        prob += t + gather * m <= best_s * (1 + 1e-3) + 1e-12, "time"
+    mu = prob.add_variable("mu", lowBound=0)
+    for c, cap in enumerate(caps):
+        prob += fixed[c] + state * q[c] <= mu * cap, f"balance_{c}"
+    prob += mu + 1e-3 * m  # among the most balanced, the evenest rows (the padded gather's)
+    if _solve(prob) is None:
+        raise MemoryInfeasible("state-ratio LP has no solution")
+    per_class = [max(0.0, float(v.value() or 0.0)) for v in q]
+    total = sum(n * x for n, x in zip(counts, per_class))
+    return pb.devices.expand([x / total for x in per_class]), best_s is not None
+
+
+def _state_lp(counts: Sequence[int], update: Sequence[float]) -> tuple:
+    prob = pulp.LpProblem("state_ratios", pulp.LpMinimize)
+    q = [prob.add_variable(f"q_{c}", lowBound=0, upBound=1) for c in range(len(counts))]
+    t, m = prob.add_variable("t", lowBound=0), prob.add_variable("m", lowBound=0)
+    prob += pulp.lpSum(n * x for n, x in zip(counts, q)) == 1, "simplex"
+    for c, u in enumerate(update):
+        prob += t >= u * q[c], f"update_{c}"
+        prob += m >= q[c], f"largest_{c}"
+    return prob, q, t, m
+
+
+def _solve(prob: pulp.LpProblem) -> float | None:
+    """The optimum, or None when the LP is infeasible."""
+    prob.solve(_solver()[0])
+    if pulp.LpStatus[prob.status] != "Optimal":
+        return None
+    return float(pulp.value(prob.objective))
+
+
+def zero1_problem(pb: Problem, program: Sequence[Instruction]) -> tuple[Problem, tuple[Instruction, ...]] | None:
+    """The program with every candidate ZeRO-1 and the problem at its LP's state ratios, or
+    None when there is no candidate."""
+    tensors = zero_candidates(pb, program)
+    if not tensors:
+        return None
+    zero = with_states(program, tensors)
+    q, fits = solve_state_ratios(pb, zero)
+    log.info("ZeRO-1 of %d parameters at state ratios %s (%s)", len(tensors), ", ".join(f"{x:.3f}" for x in q),
+             "the state fits" if fits else "the state alone does not fit: the ratios least over")
+    return with_state_ratios(pb, q), zero
+
+
+def with_state_ratios(pb: Problem, state_ratios: Sequence[float]) -> Problem:
+    return Problem(pb.graph, pb.cluster, pb.ratios, pb.restrictions, state_ratios=state_ratios)
+
+
+__all__ = ["solve_state_ratios", "state_shards", "with_state_ratios", "with_states", "zero1_problem",
+           "zero_candidates", "zero_tensors"]

@@ -1,0 +1,108 @@
+"""ZeRO-1 on one rank: the optimizer updates only this rank's rows of each ZeRO-1 parameter.
+
+A ZeRO-1 parameter (instruction_set.training_state; rows per rank in the plan's
+`state_shards`) stays whole in the module; its gradient is all-reduced whole as for any
+replicated parameter (runtime.grad_sync). The optimizer holds, instead of the parameter,
+
+    leaf = nn.Parameter(param.data.narrow(0, offset, rows))      a view: same storage
+
+so the optimizer's state (AdamW's two moments) exists for this rank's rows only, and
+`optimizer.step()` writes the updated rows into the module's parameter. Before the step the
+leaf's gradient becomes the view `param.grad.narrow(0, offset, rows)` of the synchronised
+gradient (clipping, which scales param.grad, scales it too); after the step one all-gather
+of every rank's rows (flattened, rank-major: [rank 0: p1 rows | p2 rows | ...][rank 1: ...],
+uneven lengths, the plan's variant: padded, grouped or ring, runtime.collectives.gather) and a
+copy-out give every rank the whole updated parameters again. A rank with no rows holds an
+empty leaf: AdamW steps empty tensors, and the all-gather handles zero-length shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+from torch import nn
+
+from instruction_set.plan import Plan
+from runtime.collectives import COLLECTIVE_VARIANTS, Span
+from runtime.groups import Groups
+
+
+@dataclass
+class RowShard:
+    name: str                 # the module attribute (the plan's tensor)
+    param: nn.Parameter       # the whole parameter in the module
+    leaf: nn.Parameter        # this rank's rows: what the optimizer holds
+    rows: tuple[int, ...]     # every rank's rows
+
+    def offset(self, rank: int) -> int:
+        return sum(self.rows[:rank])
+
+
+class ZeroState:
+    """The ZeRO-1 parameters of one rank (module docstring)."""
+
+    def __init__(self, shards: list[RowShard], span: Span, variant: str) -> None:
+        self.shards, self.span, self.variant = shards, span, variant
+        self.by_param = {id(s.param): s for s in shards}
+
+    @staticmethod
+    def build(module: nn.Module, plan: Plan, groups: Groups) -> "ZeroState | None":
+        if plan.state_shards is None:
+            return None
+        rank = groups.rank
+        shards = []
+        for name, rows in plan.state_shards.rows.items():
+            param = getattr(module, name)
+            start = sum(rows[:rank])
+            leaf = nn.Parameter(param.data.narrow(0, start, rows[rank]), requires_grad=param.requires_grad)
+            shards.append(RowShard(name, param, leaf, rows))
+        return ZeroState(shards, groups.span("all"), plan.state_shards.variant)
+
+    def optimizer_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The parameters to optimise: each ZeRO-1 parameter replaced by its rows' leaf."""
+        return [self.by_param[id(p)].leaf if id(p) in self.by_param else p for p in params]
+
+    def leaf_of(self, param: nn.Parameter) -> nn.Parameter:
+        """What the optimizer holds for a module parameter (itself unless ZeRO-1)."""
+        shard = self.by_param.get(id(param))
+        return param if shard is None else shard.leaf
+
+    def before_step(self) -> None:
+        """Each leaf's gradient: its rows of the synchronised whole gradient (a view)."""
+        rank = self.span.index
+        for s in self.shards:
+            g = s.param.grad
+            s.leaf.grad = None if g is None else g.narrow(0, s.offset(rank), s.rows[rank])
+
+    def after_step(self) -> None:
+        """All-gather every rank's updated rows and copy them into the whole parameters."""
+        for dtype in dict.fromkeys(s.param.dtype for s in self.shards):
+            self._gather([s for s in self.shards if s.param.dtype == dtype])
+        for s in self.shards:
+            s.leaf.grad = None
+
+    def _gather(self, shards: list[RowShard]) -> None:
+        rank, world = self.span.index, self.span.size
+        row_numel = [s.param[0].numel() if s.param.dim() > 0 else 1 for s in shards]
+        lengths = tuple(sum(s.rows[r] * n for s, n in zip(shards, row_numel)) for r in range(world))
+        mine = [s.leaf.detach().reshape(-1) for s in shards]
+        flat = torch.cat(mine) if mine else shards[0].param.new_empty(0)
+        span = Span(self.span.group, self.span.members, rank, 0, lengths)
+        with torch.no_grad():
+            whole = COLLECTIVE_VARIANTS.get("all_gather", variant=self.variant)(flat, span)
+            at = 0
+            for r in range(world):
+                for s, n in zip(shards, row_numel):
+                    count = s.rows[r] * n
+                    if count:
+                        s.param.data.narrow(0, s.offset(r), s.rows[r]).copy_(
+                            whole[at:at + count].view(s.rows[r], *s.param.shape[1:]))
+                    at += count
+
+    def state_rows(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset, rows) of this rank's rows."""
+        rank = self.span.index
+        return {s.name: (s.offset(rank), s.rows[rank]) for s in self.shards}
+
+
+__all__ = ["RowShard", "ZeroState"]

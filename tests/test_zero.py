@@ -1,0 +1,121 @@
+"""ZeRO-1 (instruction_set.training_state, planner.zero, runtime.zero): the optimizer state of
+replicated parameters sharded in rows of uneven lengths sized by the state LP from each
+device's memory and speed; plans train exactly as single-device training (float64, 5 AdamW
+steps, uneven rows, a zero-length shard), and checkpoints hold whole optimizer state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetsynth import capture_model
+from hetsynth.trace import predicted_step
+from instruction_set.cluster import load_cluster
+from instruction_set.plan import Plan, load_plan, save_plan
+from instruction_set.training_state import TrainingState
+from planner.planner import DP_SEED, make_plan, with_zero1
+from planner.problem import Problem
+from planner.zero import solve_state_ratios, with_states, zero_candidates
+from test_parity import check, make
+
+
+def zero_params(plan: Plan) -> list[str]:
+    return [i.tensor for i in plan.instructions if i.kind == "param" and i.state == TrainingState.ZERO1]
+
+
+@pytest.mark.parametrize("ref, ratios, q", [
+    ("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7]),
+    ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4]),
+    ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0]),
+    ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1]),
+])
+def test_zero1_matches_single_device(pools, ref: str, ratios: list[float], q: list[float]) -> None:
+    plan = with_zero1(make(ref, ratios, DP_SEED), q)
+    rows = plan.state_shards.rows
+    assert zero_params(plan) and set(rows) == set(zero_params(plan))
+    assert any(len(set(r)) > 1 for r in rows.values())           # uneven rows
+    if 0.0 in q:
+        assert all(r[q.index(0.0)] == 0 for r in rows.values())   # a rank with no optimizer state
+    predicted_step(plan)  # the trace lays out the post-step gather as the prediction does
+    check(pools, plan)
+
+
+def _two_devices(tmp_path: Path, memories_gib: tuple[float, float]) -> Path:
+    """Two devices of equal speed on one node, with these memories."""
+    kinds = "".join(f"[device_kinds.k{i}]\nthroughput_flops = 20e9\nmemory_gib = {m}\n"
+                    f"memory_bandwidth_gbyte_s = 5\n\n" for i, m in enumerate(memories_gib))
+    nodes = "".join(f'[[nodes]]\nname = "n{i}"\nkind = "k{i}"\nnum_devices = 1\n\n' for i in range(2))
+    path = tmp_path / f"two-{memories_gib[0]}-{memories_gib[1]}.toml"
+    path.write_text(f'name = "two"\n{kinds}{nodes}[links]\nintra_node_bandwidth_gbps = 8\n'
+                    f'inter_node_bandwidth_gbps = 8\n')
+    return path
+
+
+def _rows_at(graph, path: Path) -> tuple[float, ...]:
+    cluster = load_cluster(path)
+    plan = make_plan(graph, cluster, ratios=[0.5, 0.5], progress=False, with_baselines=False, restrictions=DP_SEED)
+    pb = Problem(graph, cluster, plan.sharding_ratios, DP_SEED)
+    q, fits = solve_state_ratios(pb, with_states(plan.instructions, zero_candidates(pb, plan.instructions)))
+    assert fits
+    return q
+
+
+def test_state_follows_memory_when_speeds_are_equal(tmp_path: Path) -> None:
+    """Equal speeds, unequal memories: where the state fits only skewed, the larger memory
+    holds more of it, and swapping the memories swaps the shares; ample memory shares evenly."""
+    graph = capture_model("gpt:tiny")
+    plan = make_plan(graph, load_cluster(_two_devices(tmp_path, (1.0, 1.0))), ratios=[0.5, 0.5], progress=False,
+                     with_baselines=False, restrictions=DP_SEED)
+    state_gib = plan.predicted.devices[0].state_gib
+    other_gib = plan.predicted.devices[0].memory_gib - state_gib
+    adam_gib = state_gib / 2                      # of 4 copies, the 2 Adam moments are sharded
+    small, big = other_gib + state_gib / 2 + 0.3 * adam_gib, other_gib + state_gib / 2 + 0.9 * adam_gib
+    q = _rows_at(graph, _two_devices(tmp_path, (small, big)))
+    assert q[0] <= 0.3 + 1e-6 and q[1] > q[0]
+    swapped = _rows_at(graph, _two_devices(tmp_path, (big, small)))
+    assert swapped == pytest.approx(q[::-1])
+    assert _rows_at(graph, _two_devices(tmp_path, (64.0, 64.0))) == pytest.approx((0.5, 0.5))
+
+
+def test_planner_shards_state_when_memory_binds(pools, tmp_path: Path) -> None:
+    """Memory that holds the data-parallel plan only with its optimizer state sharded: the
+    planner shards it (ZeRO-1), the plan fits, round-trips as JSON and trains exactly."""
+    plain = make("gpt:tiny,dtype=float64", [0.7, 0.3], DP_SEED)
+    dev = plain.predicted.devices[0]
+    cap = dev.memory_gib - 0.3 * dev.state_gib  # Adam's moments are half the state: sharding them frees < half
+    kinds = {k: v.model_copy(update={"memory_gib": cap}) for k, v in plain.cluster.device_kinds.items()}
+    cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
+    plan = make_plan(plain.graph, cluster, ratios=[0.7, 0.3], progress=False, with_baselines=False,
+                     restrictions=DP_SEED)
+    assert plan.predicted.fits and zero_params(plan) and plan.state_shards is not None
+    assert max(d.state_gib for d in plan.predicted.devices) < dev.state_gib
+    save_plan(plan, tmp_path / "zero.json")
+    assert load_plan(tmp_path / "zero.json") == plan
+    check(pools, plan)
+
+
+def test_checkpoint_under_zero1_holds_whole_state_and_resumes(pools, tmp_path: Path) -> None:
+    """Saved under a ZeRO-1 plan, the checkpoint loads into the plain model (whole parameters
+    and whole Adam moments) and resumes under another ZeRO-1 plan (4 ranks, one without rows)
+    with single-device training's losses."""
+    import torch
+
+    from instruction_set.models import parse_model_ref
+    from runtime.train import reference_training
+    from test_checkpoint import FIRST, LATER, REF, resume_worker, save_worker
+
+    path = str(tmp_path / "zero.pt")
+    pools.get(2).run(save_worker, with_zero1(make(REF, [0.7, 0.3], DP_SEED), [0.2, 0.8]), FIRST, path)
+    ckpt = torch.load(path, weights_only=False)
+    spec = parse_model_ref(REF)
+    model = spec.build("cpu")
+    model.load_state_dict(ckpt["model"], strict=True)
+    shapes = dict(model.named_parameters())
+    for fqn, state in ckpt["optimizer"]["state"].items():
+        assert state["exp_avg"].shape == shapes[fqn].shape, fqn
+    later = pools.get(4).run(resume_worker, with_zero1(make(REF, [0.4, 0.3, 0.2, 0.1], DP_SEED), [0.5, 0.0, 0.25, 0.25]),
+                             LATER, path)[0]
+    continued, _ = reference_training(spec, spec.batch_size, LATER)
+    for got, want in zip(later, continued[3:]):
+        assert abs(got - want) <= 1e-9 * abs(want), (later, continued[3:])
