@@ -106,3 +106,35 @@ def test_units_split_nodes_until_enough():
                               "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 8}})
     assert [len(u) for u in units(spec)] == [2] * 8
     assert units(spec, min_units=2) == [range(0, 8), range(8, 16)]
+
+
+def test_auto_stages_on_local_emulated_keeps_spmd_and_covers_the_model():
+    """gpt:tiny on the shipped local-emulated cluster: the DP's pipeline covers every call and
+    every rank in order, and SPMD (predicted faster there) stays the plan's shape."""
+    from pathlib import Path
+
+    from hetsynth import capture_model
+    from instruction_set.cluster import load_cluster
+    from instruction_set.models import parse_model_ref
+    from instruction_set.plan import PlanShape
+    from planner.pipeline import auto_stages
+    from planner.planner import make_plan
+
+    spec = load_cluster(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml")
+    spmd = make_plan(capture_model("gpt:tiny"), spec, width=8, progress=False, with_baselines=False)
+    plan = auto_stages(spmd, parse_model_ref("gpt:tiny"), max_stages=2, top_k=1, width=8)
+    stages = plan.pipeline.stages
+    assert [s.calls for s in stages] == [(0, stages[0].calls[1]), (stages[0].calls[1], len(spmd.graph.calls))]
+    assert stages[0].first_rank == 0 and stages[1].first_rank == stages[0].num_devices
+    assert sum(s.num_devices for s in stages) == spec.num_devices
+    assert plan.shape is PlanShape.SPMD
+    assert plan.pipeline.predicted.step_time_s >= spmd.predicted.step_time_s * 0.98
+
+
+def test_cli_rejects_a_bad_stage_count():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hetsynth", "plan", "--model", "gpt:tiny", "--cluster", "x.toml",
+                          "--stages", "many"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "'many': expected 'auto' or a number of stages" in out.stderr
