@@ -105,6 +105,8 @@ def _pipeline(plan: "Plan", args: argparse.Namespace) -> "Plan":
 
 
 def pipeline_summary(plan: "Plan") -> str:
+    from planner.pipeline import stage_memory
+
     p = plan.pipeline
     stages = "; ".join(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]}, calls {s.calls[0]}-{s.calls[1] - 1}"
                        for s in p.stages)
@@ -112,6 +114,8 @@ def pipeline_summary(plan: "Plan") -> str:
              f"{list(p.micro_batches)}: predicted {p.predicted.step_time_s * 1e3:.2f} ms/step "
              f"(schedules: {', '.join(f'{k} {v * 1e3:.2f}' for k, v in p.predicted.schedules.items())})",
              f"  {stages}",
+             "  memory: " + ", ".join(f"stage {i} {peak:.2f} of {cap:.1f} GiB ({n} in flight)"
+                                      for i, (peak, cap, n) in enumerate(stage_memory(plan))),
              f"best SPMD plan: predicted {plan.predicted.step_time_s * 1e3:.2f} ms/step"
              f"{'' if plan.predicted.fits else ' (does not fit)'}",
              f"chosen: {plan.shape.value}"]

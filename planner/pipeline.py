@@ -294,9 +294,27 @@ def _best_pipeline(spmd: Plan, spec: ModelSpec, tries: Sequence[tuple[list[Stage
     return best
 
 
+def stage_memory(plan: Plan) -> list[tuple[float, float, int]]:
+    """Per stage: (peak GiB, capacity GiB, micro-batches in flight) of its fullest device under
+    the plan's schedule: the stage plan's memory at the largest micro-batch plus the
+    saved-for-backward bytes of the other micro-batches in flight (planner.stage_dp.in_flight)."""
+    from planner.stage_dp import in_flight
+
+    p = plan.pipeline
+    out = []
+    for st in p.stages:
+        n = in_flight(p.schedule, len(p.stages), st.index, len(p.micro_batches))
+        devs = st.plans[max(st.plans)].predicted.devices
+        peak = [(d.memory_gib + (n - 1) * (d.saved_gib or 0.0), d.memory_capacity_gib) for d in devs]
+        worst = max(peak, key=lambda x: x[0] / x[1])
+        out.append((worst[0], worst[1], n))
+    return out
+
+
 def _choose_shape(spmd: Plan, best: Plan) -> Plan:
-    """Pipeline when it fits and is predicted faster than SPMD by more than 2 % or SPMD does not fit."""
+    """Pipeline when it fits (`stage_memory`) and is predicted faster than SPMD by more than
+    2 % or SPMD does not fit."""
     faster = best.pipeline.predicted.step_time_s < spmd.predicted.step_time_s * 0.98
-    fits = all(st.plans[max(st.plans)].predicted.fits for st in best.pipeline.stages)
+    fits = all(peak <= cap for peak, cap, _ in stage_memory(best))
     shape = PlanShape.PIPELINE if fits and (faster or not spmd.predicted.fits) else PlanShape.SPMD
     return best.model_copy(update={"shape": shape})
