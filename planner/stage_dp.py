@@ -102,8 +102,8 @@ class StageTable:
     time: np.ndarray      # seconds for the whole batch's F + B (scale by b / B)
     sync: np.ndarray
     params: np.ndarray    # copies * params bytes (per device)
-    memory: np.ndarray    # [2, ...]: per unit range, two devices that may bind (fits()): memory bytes ...
-    share: np.ndarray     # ... and their shares of the batch
+    memory: np.ndarray    # [K, ...]: per unit range, its distinct (memory bytes, ...
+    share: np.ndarray     # ... share of the batch) pairs, padded with (inf, 0)
     saved: np.ndarray     # saved bytes at the full batch
 
 
@@ -114,7 +114,8 @@ def stage_table(seg: Segments, cluster: ClusterSpec, groups: Sequence[range]) ->
     span = lambda x: x[None, :] - x[:, None]  # noqa: E731  [j, j'] -> sum over [j, j')
     flops, params, saved = span(fl), span(pa), span(sv)
     thr, bw = np.full((U + 1, U + 1), np.nan), np.full((U + 1, U + 1), np.nan)
-    free, share = np.full((2, U + 1, U + 1), np.nan), np.full((2, U + 1, U + 1), np.nan)
+    K = len(cluster.device_kinds)
+    free, share = np.full((K, U + 1, U + 1), INF), np.zeros((K, U + 1, U + 1))
     for i in range(U):
         for k in range(i + 1, U + 1):
             ranks = range(groups[i].start, groups[k - 1].stop)
@@ -126,8 +127,8 @@ def stage_table(seg: Segments, cluster: ClusterSpec, groups: Sequence[range]) ->
             n = len(ranks)
             bw[i, k] = gbps * 1e9 / 8 / (2 * (n - 1) / n) if n > 1 else INF
             m, sh = mem[ranks.start:ranks.stop], s / s.sum()
-            for x, d in enumerate((int(np.argmin(m / sh)), int(np.argmin(m - 1e-9 * sh)))):
-                free[x, i, k], share[x, i, k] = m[d], sh[d]
+            for x, (mx, shx) in enumerate(sorted(set(zip(m, sh)))):  # one pair per device kind
+                free[x, i, k], share[x, i, k] = mx, shx
     copies = STATE_COPIES[PLANNED_OPTIMIZER]
     time = flops[:, :, None, None] / thr[None, None]
     sync = params[:, :, None, None] / bw[None, None]
@@ -136,9 +137,8 @@ def stage_table(seg: Segments, cluster: ClusterSpec, groups: Sequence[range]) ->
 
 
 def fits(table: StageTable, n: int, frac: float) -> np.ndarray:
-    """Stages whose devices hold the parameter state and n micro-batches of frac of the batch.
-    Every device holds the same state, so the device that binds is either the one with the
-    least memory per share of the batch or the one with the least memory: both are checked."""
+    """Stages whose devices hold the parameter state and n micro-batches of frac of the batch
+    (every distinct (memory, share) pair of the stage's devices checked)."""
     need = table.params[None] + n * frac * table.saved[None] * table.share
     return np.all(need <= table.memory, axis=0)
 
