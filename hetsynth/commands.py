@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,18 +71,28 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="keep every all-gather -> linear and linear -> reduce-scatter as the plain pair "
                         "(default: the cost model fuses them where the overlap pays; planner.fusions)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
-    p.add_argument("--stages", type=int, help="also make a pipeline of this many stages (contiguous nodes or "
-                                              "devices, cut at block boundaries by throughput) and keep the "
-                                              "faster shape; both are printed")
+    p.add_argument("--stages", type=_stages_arg,
+                   help="also make a pipeline: 'auto' (stages, cuts and sub-meshes chosen by dynamic programming "
+                        "over block boundaries within every device's memory) or a number of stages (contiguous "
+                        "nodes or devices, cut by throughput); the faster shape is kept, both are printed")
     p.add_argument("--micro-batches", type=int, help="micro-batches of the pipeline (default: the fastest of S, 2S, 4S)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
                    help="pipeline schedule (default: the one predicted fastest)")
 
 
+def _stages_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a number of stages like 2") from None
+
+
 def _pipeline(plan: "Plan", args: argparse.Namespace) -> "Plan":
     from instruction_set.models import parse_model_ref
     from instruction_set.schedule import Schedule
-    from planner.pipeline import plan_stages
+    from planner.pipeline import auto_stages, plan_stages
 
     if args.stages is None:
         if args.micro_batches is not None or args.schedule is not None:
@@ -89,11 +100,16 @@ def _pipeline(plan: "Plan", args: argparse.Namespace) -> "Plan":
         return plan
     if args.micro_batches is not None and not 1 <= args.micro_batches <= plan.model.batch_size:
         raise ValueError(f"--micro-batches {args.micro_batches}: choose 1..{plan.model.batch_size} (the batch size)")
+    schedule = Schedule(args.schedule) if args.schedule else None
+    if args.stages == "auto":
+        return auto_stages(plan, parse_model_ref(plan.model.ref), num_micro=args.micro_batches, schedule=schedule)
     return plan_stages(plan, parse_model_ref(plan.model.ref), args.stages, num_micro=args.micro_batches,
-                       schedule=Schedule(args.schedule) if args.schedule else None)
+                       schedule=schedule)
 
 
 def pipeline_summary(plan: "Plan") -> str:
+    from planner.pipeline import stage_memory
+
     p = plan.pipeline
     stages = "; ".join(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]}, calls {s.calls[0]}-{s.calls[1] - 1}"
                        for s in p.stages)
@@ -101,6 +117,8 @@ def pipeline_summary(plan: "Plan") -> str:
              f"{list(p.micro_batches)}: predicted {p.predicted.step_time_s * 1e3:.2f} ms/step "
              f"(schedules: {', '.join(f'{k} {v * 1e3:.2f}' for k, v in p.predicted.schedules.items())})",
              f"  {stages}",
+             "  memory: " + ", ".join(f"stage {i} {peak:.2f} of {cap:.1f} GiB ({n} in flight)"
+                                      for i, (peak, cap, n) in enumerate(stage_memory(plan))),
              f"best SPMD plan: predicted {plan.predicted.step_time_s * 1e3:.2f} ms/step"
              f"{'' if plan.predicted.fits else ' (does not fit)'}",
              f"chosen: {plan.shape.value}"]
@@ -121,6 +139,7 @@ def plan_run(args: argparse.Namespace) -> int:
     from hetsynth.report import instruction_mix, plan_summary_text
 
     check_outputs({"-o": args.output})  # before the synthesis it would throw away
+    started = time.perf_counter()
     plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
@@ -137,6 +156,10 @@ def plan_run(args: argparse.Namespace) -> int:
         print(plan_summary_text(plan))
         if plan.pipeline is not None:
             print("\n" + pipeline_summary(plan))
+        elif args.stages == "auto":
+            print("\npipeline: no stage choice of 2..8 stages fits the memory estimate; SPMD plan kept")
+        if args.stages is not None:
+            print(f"planning time (SPMD and pipeline): {time.perf_counter() - started:.1f} s")
         print(f"\nwrote {args.output}")
     return 0
 

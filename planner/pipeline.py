@@ -1,8 +1,8 @@
 """Pipeline plans for a given stage choice: stage programs, boundaries, micro-batches, schedule.
 
 `make_pipeline_plan(spmd, spec, cluster, stages=[(ranks, (start, stop)), ...], ...)` turns a
-stage choice (contiguous calls on contiguous ranks; the automatic choice of stages is not built
-yet) into the plan's `pipeline`:
+stage choice (contiguous calls on contiguous ranks; `auto_stages` chooses one by
+planner.stage_dp) into the plan's `pipeline`:
 1. the micro-batch sizes and graphs (planner.microbatch; a coupled graph gets one micro-batch);
 2. per stage, its graph (instruction_set.stages) at the largest micro-batch size, synthesized on
    the stage's sub-cluster by the existing search and ratio LP (or at given ratios); the same
@@ -28,12 +28,13 @@ from instruction_set.mesh import Mesh
 from instruction_set.models import ModelSpec
 from instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage
 from instruction_set.plan import Plan, PlanShape
+from instruction_set.program import FUSED_MATMULS
 from instruction_set.reshard_sides import Placed, reshard_spec
 from instruction_set.resharding import ReshardMethod
 from instruction_set.schedule import Link, Schedule, build_actions, check_actions
 from instruction_set.stages import boundary_outputs, stage_graph
 from planner.microbatch import micro_batch_sizes, micro_graphs
-from planner.planner import _evaluate, finalize, make_plan, model_info, shard_table
+from planner.planner import _evaluate, finalize, make_plan, model_info, shard_table, without_fusion
 from planner.resharding import plan_reshard
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls:
     big = max(graphs)
     first = make_plan(stage_graph(graphs[big], *calls), cluster, ratios=ratios, width=width, progress=False,
                       with_baselines=False, allow_zero=False)  # the pipeline runtime keeps optimizer state whole
+    if any(i.kind in FUSED_MATMULS for i in first.instructions):
+        first = without_fusion(first)  # the pipeline executor runs no fused collective-matmuls (not tested there)
     plans = {big: first}
     for b, g in graphs.items():
         if b != big:
@@ -204,7 +207,7 @@ def with_schedule(plan: Plan, schedule: Schedule) -> Plan:
         p.model_copy(update={"schedule": schedule, "actions": actions, "predicted": predicted}).model_dump())})
 
 
-# -- a simple stage choice (the dynamic programme over cuts and sub-meshes is not built yet) -------
+# -- stage choices: a simple one for a given S, the dynamic programme's (auto_stages) --------------
 
 def rank_groups(cluster: ClusterSpec, num_stages: int) -> list[range]:
     """Contiguous rank ranges: whole nodes when there are at least as many nodes as stages
@@ -251,18 +254,70 @@ def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int 
     cuts = balanced_cuts(spmd.graph, [sum(speeds[r] for r in g) for g in groups])
     batch = spmd.model.batch_size
     counts = [num_micro] if num_micro else sorted({m for m in (num_stages, 2 * num_stages, 4 * num_stages) if m <= batch} or {batch})
+    return _choose_shape(spmd, _best_pipeline(spmd, spec, [(list(zip(groups, cuts)), counts)], schedule, width))
+
+
+def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, schedule: Schedule | None = None,
+                max_stages: int = 8, top_k: int = 2, width: int = 64) -> Plan:
+    """The stage choice of the dynamic programme (planner.stage_dp: stages, cuts at block
+    starts, sub-meshes, M and schedule by its estimate), its `top_k` candidates synthesized
+    and simulated, the fastest kept; the shape as in `plan_stages`. The SPMD plan unchanged
+    when no candidate fits the estimate's memory or the model has no blocks to cut between."""
+    from planner.stage_dp import choose_stages
+
+    batch = spmd.model.batch_size
+    found = choose_stages(spmd.graph, spmd.cluster, block_starts(spmd.graph), batch=batch, max_stages=max_stages,
+                          schedules=[schedule] if schedule else tuple(Schedule), top_k=top_k,
+                          num_micro=num_micro)
+    if not found:
+        log.warning("no pipeline of 2..%d stages fits the memory estimate; keeping the SPMD plan", max_stages)
+        return spmd
+    for c in found:
+        log.info("stage candidate: %s", c.describe())
+    tries = [(list(c.stages), [c.num_micro]) for c in found]
+    return _choose_shape(spmd, _best_pipeline(spmd, spec, tries, schedule, width))
+
+
+def _best_pipeline(spmd: Plan, spec: ModelSpec, tries: Sequence[tuple[list[StageChoice], Sequence[int]]],
+                   schedule: Schedule | None, width: int) -> Plan:
+    """The fastest of the given stage choices and micro-batch counts, each under the given
+    schedule or the one the simulation predicts fastest."""
     best: Plan | None = None
-    for m in counts:
-        candidate = make_pipeline_plan(spmd, spec, list(zip(groups, cuts)), num_micro=m, width=width)
-        p = candidate.pipeline
-        pick = schedule or min(Schedule, key=lambda s: p.predicted.schedules[str(s)])
-        candidate = with_schedule(candidate, pick) if pick is not p.schedule else candidate
-        if best is None or candidate.pipeline.predicted.step_time_s < best.pipeline.predicted.step_time_s:
-            best = candidate
-        if candidate.pipeline.coupled:  # one micro-batch whatever was asked
-            break
+    for choice, counts in tries:
+        for m in counts:
+            candidate = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width)
+            p = candidate.pipeline
+            pick = schedule or min(Schedule, key=lambda s: p.predicted.schedules[str(s)])
+            candidate = with_schedule(candidate, pick) if pick is not p.schedule else candidate
+            if best is None or candidate.pipeline.predicted.step_time_s < best.pipeline.predicted.step_time_s:
+                best = candidate
+            if candidate.pipeline.coupled:  # one micro-batch whatever was asked
+                break
     assert best is not None
+    return best
+
+
+def stage_memory(plan: Plan) -> list[tuple[float, float, int]]:
+    """Per stage: (peak GiB, capacity GiB, micro-batches in flight) of its fullest device under
+    the plan's schedule: the stage plan's memory at the largest micro-batch plus the
+    saved-for-backward bytes of the other micro-batches in flight (planner.stage_dp.in_flight)."""
+    from planner.stage_dp import in_flight
+
+    p = plan.pipeline
+    out = []
+    for st in p.stages:
+        n = in_flight(p.schedule, len(p.stages), st.index, len(p.micro_batches))
+        devs = st.plans[max(st.plans)].predicted.devices
+        peak = [(d.memory_gib + (n - 1) * (d.saved_gib or 0.0), d.memory_capacity_gib) for d in devs]
+        worst = max(peak, key=lambda x: x[0] / x[1])
+        out.append((worst[0], worst[1], n))
+    return out
+
+
+def _choose_shape(spmd: Plan, best: Plan) -> Plan:
+    """Pipeline when it fits (`stage_memory`) and is predicted faster than SPMD by more than
+    2 % or SPMD does not fit."""
     faster = best.pipeline.predicted.step_time_s < spmd.predicted.step_time_s * 0.98
-    fits = all(st.plans[max(st.plans)].predicted.fits for st in best.pipeline.stages)
+    fits = all(peak <= cap for peak, cap, _ in stage_memory(best))
     shape = PlanShape.PIPELINE if fits and (faster or not spmd.predicted.fits) else PlanShape.SPMD
     return best.model_copy(update={"shape": shape})
