@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.linear_cost import LinearCost
-from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind
+from cost_models.terms import Cost, Form, Overlap, Shares, ShareKind
 from instruction_set.kinds import Category
 
 

@@ -15,6 +15,7 @@ from runtime.config import add_train_arguments, train_config
 from runtime.outputs import check_outputs
 
 if TYPE_CHECKING:
+    from instruction_set.plan import Plan
     from runtime.launch import RunResult
 
 

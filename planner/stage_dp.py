@@ -108,7 +108,7 @@ class StageTable:
 
 
 def stage_table(seg: Segments, cluster: ClusterSpec, groups: Sequence[range]) -> StageTable:
-    J, U = len(seg.flops), len(groups)
+    U = len(groups)
     speed, mem = np.array(cluster.throughputs_flops()), np.array(cluster.memories_gib()) * 2 ** 30
     fl, pa, sv = (np.concatenate([[0.0], np.cumsum(x)]) for x in (seg.flops, seg.params, seg.saved))
     span = lambda x: x[None, :] - x[:, None]  # noqa: E731  [j, j'] -> sum over [j, j')
