@@ -1,8 +1,10 @@
 """Synthesis time of hetsynth's planner: ViT with 1 to 64 layers on 8 and 64 devices, and
-GPT (paper preset) on 64 to 4,096 devices.
+GPT (paper preset) on 64 to 4,096 devices, and planning with pipeline stages considered (GPT,
+6 to 48 layers, 64 devices).
 
     python bench/synthesis_time.py [--devices 8 64] [--layers 1 4 12 24 48 64]
-                                   [--scale 64 256 1024 4096] [--skip-layers | --skip-scale]
+                                   [--scale 64 256 1024 4096] [--pipeline 6 12 24 48]
+                                   [--skip-layers] [--skip-scale] [--skip-pipeline]
 
 Depth: the first N devices of configs/clusters/hap-paper.toml (8: one V100 node, one-level
 layouts; 64: the whole cluster, a 8 x 8 mesh with two-level layouts). Model: vit:paper with
@@ -12,6 +14,16 @@ Scale: hap-paper's nodes scaled to N / 8 nodes of 8 GPUs in its proportions (a q
 nodes, the rest P100, ClusterSpec.scaled; made here, not shipped), gpt:paper with a global
 batch of 32 per device; also reports the number of classes of interchangeable devices the
 planner works on (cost_models.device_classes).
+
+Pipeline: gpt:paper (its preset batch) with the given number of layers on the whole
+hap-paper cluster (64 devices), planned as `hetsynth plan --stages auto` does: the SPMD plan
+(hetsynth.plan: capture, search, LP and baselines), then planner.pipeline.auto_stages. Its time is split into the
+stage DP (planner.stage_dp.choose_stages: cuts, sub-meshes, M, schedule by the roofline) and
+the stage synthesis (the DP's top candidates: micro-batch capture, each stage's search and LP
+on its sub-cluster, boundaries, the schedule simulation). Growth in layers is fitted as
+t = c L^k (least squares on log t against log L) and as a line t = a + b L; k <= 1 is at most
+linear. `--dp-only` layer counts run the stage DP alone (cheap), to show it past the 24
+segments its cuts are coarsened to.
 
 Each point runs in a fresh process and measures the synthesis (A* search with its
 incumbents, LP, alternation rounds; baselines excluded) and the process's peak RSS. Prints
@@ -23,8 +35,11 @@ layers 28-54 s, 64 layers 67-115 s.
 from __future__ import annotations
 
 import argparse
+import json
 
-from common import markdown_table, print_table, run_child, write_json
+import numpy as np
+
+from common import RESULTS, markdown_table, print_table, print_tables, run_child, write_json
 
 PREAMBLE = """
 import json, resource, time
@@ -54,6 +69,54 @@ SCALE = PREAMBLE + """
 cluster = load_cluster("configs/clusters/hap-paper.toml").scaled({devices} // 8)
 graph = capture_model("gpt:paper,batch_size={batch}")
 """ + SEARCH
+
+
+PIPELINE = PREAMBLE + """
+import planner.stage_dp as stage_dp
+from instruction_set.models import parse_model_ref
+from planner.pipeline import auto_stages, block_starts
+import hetsynth
+ref = "gpt:paper,num_layers={layers}"
+cluster = load_cluster("configs/clusters/hap-paper.toml")
+start = time.perf_counter()
+spmd = hetsynth.plan(ref, cluster=cluster)
+spmd_s = time.perf_counter() - start
+dp_s = []
+choose = stage_dp.choose_stages
+def timed(*args, **kwargs):  # auto_stages imports choose_stages when called: this times its DP
+    t0 = time.perf_counter()
+    out = choose(*args, **kwargs)
+    dp_s.append(time.perf_counter() - t0)
+    return out
+stage_dp.choose_stages = timed
+start = time.perf_counter()
+plan = auto_stages(spmd, parse_model_ref(ref))
+stages_s = time.perf_counter() - start
+p = plan.pipeline
+print(json.dumps({{"spmd_seconds": spmd_s, "spmd_search_seconds": spmd.synthesis.seconds,
+                  "stage_dp_seconds": sum(dp_s), "stage_synthesis_seconds": stages_s - sum(dp_s),
+                  "stage_search_seconds": stages_s, "seconds": spmd_s + stages_s, "ops": len(spmd.graph.calls),
+                  "segments": len(stage_dp.segments(spmd.graph, block_starts(spmd.graph)).flops),
+                  "batch": spmd.model.batch_size, "spmd_step_s": spmd.predicted.step_time_s,
+                  "pipeline_step_s": p.predicted.step_time_s if p else None,
+                  "stages": len(p.stages) if p else 0, "micro_batches": len(p.micro_batches) if p else 0,
+                  "schedule": p.schedule.value if p else None, "shape": plan.shape.value,
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}}))
+"""
+
+DP_ONLY = PREAMBLE + """
+import planner.stage_dp as stage_dp
+from planner.pipeline import block_starts
+from planner.planner import model_info
+cluster = load_cluster("configs/clusters/hap-paper.toml")
+graph = capture_model("gpt:paper,num_layers={layers}")
+start = time.perf_counter()
+found = stage_dp.choose_stages(graph, cluster, block_starts(graph), batch=model_info(graph).batch_size)
+dp_s = time.perf_counter() - start
+print(json.dumps({{"stage_dp_seconds": dp_s, "ops": len(graph.calls),
+                  "segments": len(stage_dp.segments(graph, block_starts(graph)).flops),
+                  "best": found[0].describe() if found else None}}))
+"""
 
 
 def depth(devices_list: list[int], layers_list: list[int], results: dict) -> None:
@@ -97,20 +160,93 @@ def scale(devices_list: list[int], results: dict) -> None:
     print("\n" + markdown_table(rows, header))
 
 
+def growth(layers: list[int], seconds: list[float]) -> dict[str, float]:
+    """t = c L^k fitted on logs (k: the growth exponent) and t = a + b L (b: seconds per layer)."""
+    x, y = np.array(layers, float), np.array(seconds, float)
+    k = float(np.polyfit(np.log(x), np.log(y), 1)[0])
+    b, a = (float(v) for v in np.polyfit(x, y, 1))
+    return {"exponent": k, "seconds_per_layer": b, "intercept_s": a}
+
+
+PARTS = {"stage DP": "stage_dp_seconds", "stage synthesis": "stage_synthesis_seconds",
+         "stage search (DP + synthesis)": "stage_search_seconds", "SPMD plan": "spmd_seconds",
+         "whole planning": "seconds"}
+
+
+def pipeline(layers_list: list[int], results: dict) -> None:
+    rows, done = [], []
+    for layers in layers_list:
+        r = run_child(PIPELINE.format(layers=layers))
+        results[f"gpt-pipeline/{layers}"] = {"devices": 64, "layers": layers, "model": "gpt:paper", **r}
+        if "error" in r:
+            rows.append([layers, "error", r["error"], "", "", "", "", "", "", ""])
+        else:
+            done.append(r | {"layers": layers})
+            shape = (f"{r['stages']} st, M={r['micro_batches']}, {r['schedule']}" if r["stages"] else "none fits")
+            rows.append([layers, r["ops"], r["segments"], f"{r['spmd_seconds']:.2f}", f"{r['stage_dp_seconds']:.2f}",
+                         f"{r['stage_synthesis_seconds']:.2f}", f"{r['seconds']:.2f}", shape,
+                         f"{r['spmd_step_s'] * 1e3:.1f}",
+                         f"{r['pipeline_step_s'] * 1e3:.1f}" if r["pipeline_step_s"] else "-"])
+        print(rows[-1], flush=True)
+    header = ["layers", "ops", "segments", "SPMD plan s", "stage DP s", "stage synthesis s", "total s",
+              "pipeline found", "SPMD ms", "pipeline ms"]
+    print()
+    print_table(rows, header)
+    print("\n" + markdown_table(rows, header))
+    if len(done) >= 2:
+        fits = {name: growth([r["layers"] for r in done], [r[key] for r in done]) for name, key in PARTS.items()}
+        results["gpt-pipeline/growth"] = fits
+        print(f"\ngrowth over {done[0]['layers']}..{done[-1]['layers']} layers (t = c L^k; t = a + b L):")
+        for name, f in fits.items():
+            verdict = "at most linear" if f["exponent"] <= 1.0 else "faster than linear"
+            print(f"  {name}: k = {f['exponent']:.2f} ({verdict}), b = {f['seconds_per_layer']:.3f} s/layer")
+
+
+def dp_only(layers_list: list[int], results: dict) -> None:
+    """The stage DP alone at more layers: its cuts are coarsened to at most 24 segments, so past
+    24 blocks its time stops growing (only the segment sums, linear in the calls, do)."""
+    rows = []
+    for layers in layers_list:
+        r = run_child(DP_ONLY.format(layers=layers))
+        results[f"gpt-pipeline/dp-only/{layers}"] = {"devices": 64, "layers": layers, "model": "gpt:paper", **r}
+        rows.append([layers, "error", r["error"], ""] if "error" in r else
+                    [layers, r["ops"], r["segments"], f"{r['stage_dp_seconds']:.2f}"])
+        print(rows[-1], flush=True)
+    print_tables(rows, ["layers", "ops", "segments", "stage DP s (alone)"])
+
+
+def previous(skipped: list[str]) -> dict:
+    """The last run's entries of the sections skipped this time (kept in the JSON)."""
+    path = RESULTS / "synthesis_time.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    section = lambda key: ("pipeline" if key.startswith("gpt-pipeline/") else  # noqa: E731
+                           "scale" if key.startswith("gpt-scale/") else "layers")
+    return {k: v for k, v in old.items() if section(k) in skipped}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 12, 24, 48, 64])
     parser.add_argument("--scale", type=int, nargs="+", default=[64, 256, 1024, 4096],
                         help="device counts for gpt:paper on hap-paper-like clusters (multiples of 8)")
+    parser.add_argument("--pipeline", type=int, nargs="+", default=[6, 12, 24, 48],
+                        help="layer counts of gpt:paper planned with stages considered on the 64 devices")
+    parser.add_argument("--dp-only", type=int, nargs="*", default=[96],
+                        help="further layer counts where only the stage DP runs (after capture)")
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--skip-scale", action="store_true")
+    parser.add_argument("--skip-pipeline", action="store_true")
     args = parser.parse_args()
-    results: dict = {}
+    skipped = [name for name in ("layers", "scale", "pipeline") if getattr(args, f"skip_{name}")]
+    results: dict = previous(skipped)
     if not args.skip_layers:
         depth(args.devices, args.layers, results)
     if not args.skip_scale:
         scale(args.scale, results)
+    if not args.skip_pipeline:
+        pipeline(args.pipeline, results)
+        dp_only(args.dp_only, results)
     write_json("synthesis_time.json", results)
 
 
