@@ -43,7 +43,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
-         fusion: bool = True) -> Plan:
+         fusion: bool = True, keep_unfit: bool = False) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -51,7 +51,9 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     programs (the batch split, parameters replicated); the ratios, the collective variants and
     SFB are still the cost model's choices. `bucket_mb` forces the gradient bucket cap (MiB;
     default: the cap the cost model predicts fastest). `fusion` False keeps every all-gather ->
-    linear and linear -> reduce-scatter as its plain pair (planner.fusions)."""
+    linear and linear -> reduce-scatter as its plain pair (planner.fusions). `keep_unfit`: when
+    no program fits in memory, the one closest to fitting (`predicted.fits` False) instead of
+    PlanInfeasible (a pipeline may still fit: `hetsynth plan` then tries stages)."""
     from instruction_set.models import parse_model_ref, with_overrides
     from planner.feasibility import check_memory_lower_bound
     from planner.planner import DP_SEED, make_plan
@@ -89,7 +91,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     if not fusion:
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_fusion=False)
     return make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
-                     bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None)
+                     bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None, keep_unfit=keep_unfit)
 
 
 def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,

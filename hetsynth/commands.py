@@ -90,22 +90,42 @@ def _stages_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a number of stages like 2") from None
 
 
-def _pipeline(plan: "Plan", args: argparse.Namespace) -> "Plan":
-    from instruction_set.models import parse_model_ref
-    from instruction_set.schedule import Schedule
-    from planner.pipeline import auto_stages, plan_stages
+def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
+    """--stages as given; 'auto' when it is not given and the SPMD plan does not fit (printed)."""
+    if args.stages is not None:
+        return args.stages
+    if args.micro_batches is not None or args.schedule is not None:
+        raise ValueError("--micro-batches and --schedule need --stages")
+    if plan.predicted.fits:
+        return None
+    print("no SPMD plan fits in memory; trying pipeline stages (as --stages auto would)", flush=True)
+    return "auto"
 
-    if args.stages is None:
-        if args.micro_batches is not None or args.schedule is not None:
-            raise ValueError("--micro-batches and --schedule need --stages")
+
+def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) -> "Plan":
+    """The plan with the pipeline of `stages` considered; PlanInfeasible when neither shape fits."""
+    from instruction_set.models import parse_model_ref
+    from instruction_set.plan import PlanShape
+    from instruction_set.schedule import Schedule
+    from planner.feasibility import PlanInfeasible
+    from planner.pipeline import auto_stages, plan_stages, stage_memory
+    from planner.planner import shortfall_message
+
+    if stages is None:
         return plan
     if args.micro_batches is not None and not 1 <= args.micro_batches <= plan.model.batch_size:
         raise ValueError(f"--micro-batches {args.micro_batches}: choose 1..{plan.model.batch_size} (the batch size)")
     schedule = Schedule(args.schedule) if args.schedule else None
-    if args.stages == "auto":
-        return auto_stages(plan, parse_model_ref(plan.model.ref), num_micro=args.micro_batches, schedule=schedule)
-    return plan_stages(plan, parse_model_ref(plan.model.ref), args.stages, num_micro=args.micro_batches,
-                       schedule=schedule)
+    spec = parse_model_ref(plan.model.ref)
+    out = (auto_stages(plan, spec, num_micro=args.micro_batches, schedule=schedule) if stages == "auto" else
+           plan_stages(plan, spec, stages, num_micro=args.micro_batches, schedule=schedule))
+    if out.shape is PlanShape.PIPELINE or out.predicted.fits:
+        return out
+    tried = "no pipeline of 2..8 stages fits the memory estimate"
+    if out.pipeline is not None:
+        tried = "the pipeline found does not fit either (" + "; ".join(
+            f"stage {i}: {peak:.3g} of {cap:g} GiB" for i, (peak, cap, _) in enumerate(stage_memory(out))) + ")"
+    raise PlanInfeasible(f"{shortfall_message(plan)}. No pipeline fits either: {tried}")
 
 
 def pipeline_summary(plan: "Plan") -> str:
@@ -145,8 +165,9 @@ def plan_run(args: argparse.Namespace) -> int:
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                          measure_ops=args.measure_ops, data_parallel=args.data_parallel,
-                         bucket_mb=args.bucket_mb, fusion=not args.no_fusion)
-    plan = _pipeline(plan, args)
+                         bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True)
+    stages = _stages_to_try(plan, args)
+    plan = _pipeline(plan, args, stages)
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
@@ -157,9 +178,9 @@ def plan_run(args: argparse.Namespace) -> int:
         print(plan_summary_text(plan))
         if plan.pipeline is not None:
             print("\n" + pipeline_summary(plan))
-        elif args.stages == "auto":
+        elif stages == "auto":
             print("\npipeline: no stage choice of 2..8 stages fits the memory estimate; SPMD plan kept")
-        if args.stages is not None:
+        if stages is not None:
             print(f"planning time (SPMD and pipeline): {time.perf_counter() - started:.1f} s")
         print(f"\nwrote {args.output}")
     return 0

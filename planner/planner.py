@@ -211,9 +211,13 @@ def _programs(graph: ReferenceGraph, cluster: ClusterSpec, ratios: tuple[float, 
 
 def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
                 width: int = DEFAULT_WIDTH, progress: bool = True, max_rounds: int = 6,
-                restrictions: Restrictions | None = None, allow_zero: bool = True) -> tuple[Candidate, _Stats]:
+                restrictions: Restrictions | None = None, allow_zero: bool = True,
+                keep_unfit: bool = False) -> tuple[Candidate, _Stats]:
     """The best program and ratios (raises PlanInfeasible when nothing fits in memory);
-    `allow_zero`: the planner may shard optimizer state (ZeRO-1) to fit."""
+    `allow_zero`: the planner may shard optimizer state (ZeRO-1) to fit. `keep_unfit`: when
+    no program fits, the one closest to fitting (its prediction's `fits` False, the shortfall
+    logged) instead of the error; the lower bound (planner.feasibility) still raises, since
+    then nothing fits, a pipeline's stages included."""
     check_memory_lower_bound(graph, cluster)
     fixed = ratios is not None
     start = tuple(_normalise(ratios, cluster) if fixed else baselines.proportional(cluster))
@@ -233,6 +237,9 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
         if attempt + 1 < MEMORY_ATTEMPTS:
             log.info("the best plan needs %.2f GiB more than a device holds; searching again with a "
                      "memory penalty (attempt %d of %d)", _overflow(best), attempt + 2, MEMORY_ATTEMPTS)
+    if keep_unfit:
+        log.warning("%s", _shortfall_message(graph, cluster, best, allow_zero))
+        return best, stats
     raise PlanInfeasible(_shortfall_message(graph, cluster, best, allow_zero))
 
 
@@ -320,6 +327,14 @@ def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candid
             f"devices with more memory, a smaller batch or a smaller model")
 
 
+def shortfall_message(plan: Plan) -> str:
+    """PlanInfeasible's message for a plan that does not fit (`make_plan(keep_unfit=True)`)."""
+    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
+    program = tuple(unfuse_program(pb, plan.instructions))
+    prediction, sync = predict_program(pb, program, None)
+    return _shortfall_message(plan.graph, plan.cluster, Candidate(plan.sharding_ratios, program, prediction, sync, pb))
+
+
 def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Problem, tuple[Instruction, ...]]:
     """The best candidate's program with ZeRO-1 (where allowed) and every block recomputed."""
     pb, program = best.problem, best.program
@@ -381,13 +396,14 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
               width: int = DEFAULT_WIDTH, progress: bool = True,
               restrictions: Restrictions | None = None, with_baselines: bool = True,
-              bucket_cap: int | None = None, allow_zero: bool = True) -> Plan:
+              bucket_cap: int | None = None, allow_zero: bool = True, keep_unfit: bool = False) -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests); `bucket_cap`
-    forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest)."""
+    forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest);
+    `keep_unfit` as in `search_plan` (the plan's `predicted.fits` then says so)."""
     start = time.perf_counter()
     best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
-                              restrictions=restrictions, allow_zero=allow_zero)
+                              restrictions=restrictions, allow_zero=allow_zero, keep_unfit=keep_unfit)
     seconds = time.perf_counter() - start
     if with_baselines:
         log.info("plan found in %.1f s (%.2f ms/step); costing the baselines", seconds,

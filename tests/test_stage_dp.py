@@ -138,3 +138,38 @@ def test_cli_rejects_a_bad_stage_count():
     out = subprocess.run([sys.executable, "-m", "hetsynth", "plan", "--model", "gpt:tiny", "--cluster", "x.toml",
                           "--stages", "many"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "'many': expected 'auto' or a number of stages" in out.stderr
+
+
+def _tiny_memory_cluster(path, memory_gib: float) -> str:
+    import json
+
+    path.write_text(json.dumps({"name": "tiny-mem", "device_kinds": {"small": {"throughput_flops": 1e12,
+                                                                              "memory_gib": memory_gib}},
+                                "nodes": [{"name": "n", "kind": "small", "num_devices": 2}],
+                                "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 10}}))
+    return str(path)
+
+
+def test_plan_tries_stages_when_no_spmd_plan_fits(tmp_path, capsys):
+    """gpt:tiny on two devices of 0.0003 GiB: no SPMD program fits (0.000396 GiB on a device
+    even with every block recomputed), a pipeline of one device per stage does; `hetsynth plan`
+    without --stages says it tries stages and writes the pipeline. At 0.00028 GiB neither
+    fits: error naming both, exit 2, nothing written."""
+    from hetsynth.cli import main
+    from instruction_set.plan import PlanShape, load_plan
+    from planner.pipeline import stage_memory
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt:tiny", "--cluster", _tiny_memory_cluster(tmp_path / "c.json", 0.0003),
+                 "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no SPMD plan fits in memory; trying pipeline stages" in printed and "chosen: pipeline" in printed
+    plan = load_plan(out)
+    assert plan.shape is PlanShape.PIPELINE and not plan.predicted.fits
+    assert all(peak <= cap for peak, cap, _ in stage_memory(plan)) and len(plan.pipeline.stages) == 2
+    out.unlink()
+    assert main(["plan", "--model", "gpt:tiny", "--cluster", _tiny_memory_cluster(tmp_path / "c.json", 0.00028),
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: no plan fits in memory: the best plan found needs" in err and "No pipeline fits either" in err
+    assert not out.exists()
