@@ -22,7 +22,8 @@ stage DP (planner.stage_dp.choose_stages: cuts, sub-meshes, M, schedule by the r
 the stage synthesis (the DP's top candidates: micro-batch capture, each stage's search and LP
 on its sub-cluster, boundaries, the schedule simulation). Growth in layers is fitted as
 t = c L^k (least squares on log t against log L) and as a line t = a + b L; k <= 1 is at most
-linear. `--dp-only` layer counts run the stage DP alone (cheap), to show it past the 24
+linear. Wall and CPU time (time.process_time) are both recorded: on a shared machine the CPU
+time is the steadier measure of growth. `--dp-only` layer counts run the stage DP alone (cheap), to show it past the 24
 segments its cuts are coarsened to.
 
 Each point runs in a fresh process and measures the synthesis (A* search with its
@@ -76,26 +77,30 @@ import planner.stage_dp as stage_dp
 from instruction_set.models import parse_model_ref
 from planner.pipeline import auto_stages, block_starts
 import hetsynth
+clocks = lambda: (time.perf_counter(), time.process_time())
 ref = "gpt:paper,num_layers={layers}"
 cluster = load_cluster("configs/clusters/hap-paper.toml")
-start = time.perf_counter()
+t0 = clocks()
 spmd = hetsynth.plan(ref, cluster=cluster)
-spmd_s = time.perf_counter() - start
-dp_s = []
+t1 = clocks()
+dp = [0.0, 0.0]
 choose = stage_dp.choose_stages
 def timed(*args, **kwargs):  # auto_stages imports choose_stages when called: this times its DP
-    t0 = time.perf_counter()
+    a = clocks()
     out = choose(*args, **kwargs)
-    dp_s.append(time.perf_counter() - t0)
+    b = clocks()
+    dp[0], dp[1] = dp[0] + b[0] - a[0], dp[1] + b[1] - a[1]
     return out
 stage_dp.choose_stages = timed
-start = time.perf_counter()
 plan = auto_stages(spmd, parse_model_ref(ref))
-stages_s = time.perf_counter() - start
+t2 = clocks()
 p = plan.pipeline
-print(json.dumps({{"spmd_seconds": spmd_s, "spmd_search_seconds": spmd.synthesis.seconds,
-                  "stage_dp_seconds": sum(dp_s), "stage_synthesis_seconds": stages_s - sum(dp_s),
-                  "stage_search_seconds": stages_s, "seconds": spmd_s + stages_s, "ops": len(spmd.graph.calls),
+times = {{}}
+for k, unit in enumerate(("seconds", "cpu_seconds")):
+    times |= {{f"spmd_{{unit}}": t1[k] - t0[k], f"stage_dp_{{unit}}": dp[k],
+              f"stage_synthesis_{{unit}}": t2[k] - t1[k] - dp[k], f"stage_search_{{unit}}": t2[k] - t1[k],
+              unit: t2[k] - t0[k]}}
+print(json.dumps({{**times, "spmd_search_seconds": spmd.synthesis.seconds, "ops": len(spmd.graph.calls),
                   "segments": len(stage_dp.segments(spmd.graph, block_starts(spmd.graph)).flops),
                   "batch": spmd.model.batch_size, "spmd_step_s": spmd.predicted.step_time_s,
                   "pipeline_step_s": p.predicted.step_time_s if p else None,
@@ -104,16 +109,17 @@ print(json.dumps({{"spmd_seconds": spmd_s, "spmd_search_seconds": spmd.synthesis
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}}))
 """
 
+
 DP_ONLY = PREAMBLE + """
 import planner.stage_dp as stage_dp
 from planner.pipeline import block_starts
 from planner.planner import model_info
 cluster = load_cluster("configs/clusters/hap-paper.toml")
 graph = capture_model("gpt:paper,num_layers={layers}")
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 found = stage_dp.choose_stages(graph, cluster, block_starts(graph), batch=model_info(graph).batch_size)
-dp_s = time.perf_counter() - start
-print(json.dumps({{"stage_dp_seconds": dp_s, "ops": len(graph.calls),
+dp_s, dp_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({{"stage_dp_seconds": dp_s, "stage_dp_cpu_seconds": dp_cpu_s, "ops": len(graph.calls),
                   "segments": len(stage_dp.segments(graph, block_starts(graph)).flops),
                   "best": found[0].describe() if found else None}}))
 """
@@ -179,24 +185,28 @@ def pipeline(layers_list: list[int], results: dict) -> None:
         r = run_child(PIPELINE.format(layers=layers))
         results[f"gpt-pipeline/{layers}"] = {"devices": 64, "layers": layers, "model": "gpt:paper", **r}
         if "error" in r:
-            rows.append([layers, "error", r["error"], "", "", "", "", "", "", ""])
+            rows.append([layers, "error", r["error"], "", "", "", "", "", "", "", ""])
         else:
             done.append(r | {"layers": layers})
             shape = (f"{r['stages']} st, M={r['micro_batches']}, {r['schedule']}" if r["stages"] else "none fits")
             rows.append([layers, r["ops"], r["segments"], f"{r['spmd_seconds']:.2f}", f"{r['stage_dp_seconds']:.2f}",
-                         f"{r['stage_synthesis_seconds']:.2f}", f"{r['seconds']:.2f}", shape,
+                         f"{r['stage_synthesis_seconds']:.2f}", f"{r['seconds']:.2f}",
+                         f"{r['stage_search_cpu_seconds']:.2f}", shape,
                          f"{r['spmd_step_s'] * 1e3:.1f}",
                          f"{r['pipeline_step_s'] * 1e3:.1f}" if r["pipeline_step_s"] else "-"])
         print(rows[-1], flush=True)
     header = ["layers", "ops", "segments", "SPMD plan s", "stage DP s", "stage synthesis s", "total s",
-              "pipeline found", "SPMD ms", "pipeline ms"]
+              "stage search CPU s", "pipeline found", "SPMD ms", "pipeline ms"]
     print()
     print_table(rows, header)
     print("\n" + markdown_table(rows, header))
-    if len(done) >= 2:
-        fits = {name: growth([r["layers"] for r in done], [r[key] for r in done]) for name, key in PARTS.items()}
-        results["gpt-pipeline/growth"] = fits
-        print(f"\ngrowth over {done[0]['layers']}..{done[-1]['layers']} layers (t = c L^k; t = a + b L):")
+    if len(done) < 2:
+        return
+    for clock, suffix in (("wall", "seconds"), ("CPU", "cpu_seconds")):
+        fits = {name: growth([r["layers"] for r in done], [r[key.replace("seconds", suffix)] for r in done])
+                for name, key in PARTS.items()}
+        results[f"gpt-pipeline/growth/{clock.lower()}"] = fits
+        print(f"\ngrowth over {done[0]['layers']}..{done[-1]['layers']} layers, {clock} time (t = c L^k; t = a + b L):")
         for name, f in fits.items():
             verdict = "at most linear" if f["exponent"] <= 1.0 else "faster than linear"
             print(f"  {name}: k = {f['exponent']:.2f} ({verdict}), b = {f['seconds_per_layer']:.3f} s/layer")
@@ -209,10 +219,10 @@ def dp_only(layers_list: list[int], results: dict) -> None:
     for layers in layers_list:
         r = run_child(DP_ONLY.format(layers=layers))
         results[f"gpt-pipeline/dp-only/{layers}"] = {"devices": 64, "layers": layers, "model": "gpt:paper", **r}
-        rows.append([layers, "error", r["error"], ""] if "error" in r else
-                    [layers, r["ops"], r["segments"], f"{r['stage_dp_seconds']:.2f}"])
+        rows.append([layers, "error", r["error"], "", ""] if "error" in r else
+                    [layers, r["ops"], r["segments"], f"{r['stage_dp_seconds']:.2f}", f"{r['stage_dp_cpu_seconds']:.2f}"])
         print(rows[-1], flush=True)
-    print_tables(rows, ["layers", "ops", "segments", "stage DP s (alone)"])
+    print_tables(rows, ["layers", "ops", "segments", "stage DP s (alone)", "stage DP CPU s"])
 
 
 def previous(skipped: list[str]) -> dict:
