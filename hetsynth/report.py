@@ -9,6 +9,7 @@ from instruction_set.blocks import recompute_units, recomputed_units
 from instruction_set.cluster import ClusterSpec
 from instruction_set.layouts import R
 from instruction_set.plan import Plan
+from instruction_set.sync import ONE_BUCKET
 
 
 def si(value: float, unit: str = "") -> str:
@@ -153,10 +154,12 @@ def _sync_lines(plan: Plan) -> list[str]:
     g = plan.gradient_sync
     if g is None or not g.buckets:
         return []
-    tried = ", ".join(f"{cap} MiB {s * 1e3:.1f} ms" for cap, s in g.chosen_from.items())
+    tried = ", ".join(f"{shape} {s * 1e3:.1f} ms" for shape, s in g.chosen_from.items())
     first = "" if g.first_bucket_cap_bytes is None else f"the first of at most {g.first_bucket_cap_bytes / 2**20:g} MiB, "
-    return [f"grad sync    {len(g.buckets)} bucket(s), {first}at most {g.bucket_cap_bytes / 2**20:g} MiB, launched "
-            f"during the backward pass" + (f" (predicted: {tried})" if tried else "")]
+    last = "" if g.last_bucket_cap_bytes is None else f", the last of at most {g.last_bucket_cap_bytes / 2**20:g} MiB"
+    cap = "one bucket per lane" if g.bucket_cap_bytes >= ONE_BUCKET else f"at most {g.bucket_cap_bytes / 2**20:g} MiB"
+    return [f"grad sync    {len(g.buckets)} bucket(s), {first}{cap}{last}, launched "
+            f"during the backward pass" + (f" (predicted, caps in MiB: {tried})" if tried else "")]
 
 
 def _ratio_rows(plan: Plan) -> list[list[Any]]:

@@ -9,7 +9,9 @@ latest first (ties by name), each appended to the open bucket of its all-reduce'
 variant); a bucket closes when the next parameter would take it past `bucket_cap_bytes` (a
 parameter larger than the cap is a bucket of its own; no parameter is split), the first bucket
 of each (axis, variant) past `first_bucket_cap_bytes` when given (torch DDP: 1 MiB first so
-that communication starts early, then 25 MiB). Buckets are
+that communication starts early, then 25 MiB); when `last_bucket_cap_bytes` is given, the
+lane's last bucket is first cut off as the longest tail of its parameters within that cap (at
+least one): it is ready only when the backward ends, so its all-reduce is never hidden. Buckets are
 numbered by when their last gradient is ready. Bucket b is launched, asynchronously, as soon as
 its last gradient is ready and every bucket before it has been launched, so the launch order
 is the index order on every rank; it is waited once before clipping and the optimizer step
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import math
 from typing import Mapping, Sequence
+
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -51,13 +55,39 @@ class GradBucket(BaseModel):
     nbytes: int               # bytes on the rank that holds the most
 
 
+class BucketShape(NamedTuple):
+    """How a lane's gradients are cut into buckets (assign_buckets): every bucket at most
+    `cap` bytes, the first at most `first` (torch DDP's 1 MiB, so communication starts early),
+    the last, the one ready when the backward ends and so never hidden, at most `last`."""
+
+    cap: int
+    first: int | None = None
+    last: int | None = None
+
+    def label(self) -> str:
+        """The shape's name in GradientSync.chosen_from, in MiB: "4", "all" (one bucket),
+        "1+25" (a 1 MiB first bucket, then 25 MiB), "25+0.25" (a last bucket of 0.25 MiB)."""
+        text = "all" if self.cap >= ONE_BUCKET else f"{self.cap / 2**20:g}"
+        first = "" if self.first is None else f"{self.first / 2**20:g}+"
+        last = "" if self.last is None else f"+{self.last / 2**20:g}"
+        return f"{first}{text}{last}"
+
+
+ONE_BUCKET = 2**62  # a cap that puts every gradient of a lane in one bucket
+
+
 class GradientSync(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bucket_cap_bytes: int
     first_bucket_cap_bytes: int | None = None  # the first bucket's cap, when smaller (DDP's shape)
+    last_bucket_cap_bytes: int | None = None   # the last bucket's cap, when smaller
     buckets: tuple[GradBucket, ...] = ()
-    chosen_from: dict[str, float] = {}  # candidate cap in MiB -> predicted step seconds
+    chosen_from: dict[str, float] = {}  # candidate shape (BucketShape.label) -> predicted step seconds
+
+    @property
+    def shape(self) -> BucketShape:
+        return BucketShape(self.bucket_cap_bytes, self.first_bucket_cap_bytes, self.last_bucket_cap_bytes)
 
 
 def first_uses(graph: ReferenceGraph, program: Sequence[Instruction]) -> dict[str, tuple[int, str]]:
@@ -82,36 +112,46 @@ def local_nbytes(graph: ReferenceGraph, shards: Mapping, name: str, layout: Layo
 
 
 def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards: Mapping,
-                   cap_bytes: int, first_cap_bytes: int | None = None) -> tuple[GradBucket, ...]:
+                   cap_bytes: int, first_cap_bytes: int | None = None,
+                   last_cap_bytes: int | None = None) -> tuple[GradBucket, ...]:
     """The buckets of a program's backward all-reduces (module docstring)."""
-    for what, cap in (("gradient bucket cap", cap_bytes), ("first gradient bucket cap", first_cap_bytes)):
+    for what, cap in (("gradient bucket cap", cap_bytes), ("first gradient bucket cap", first_cap_bytes),
+                      ("last gradient bucket cap", last_cap_bytes)):
         if cap is not None and cap < 1:
             raise ValueError(f"{what} {cap} bytes: must be at least 1")
-    closed: set[tuple[str, str]] = set()  # (axis, variant) whose first bucket has closed
     uses = first_uses(graph, program)
     syncs = [i for i in program if i.kind == "all_reduce" and i.phase == "backward"]
     for ins in syncs:  # read by no compute instruction: ready only at the end of the backward
         uses.setdefault(ins.tensor, (-1, ""))
     syncs.sort(key=lambda i: (-uses[i.tensor][0], i.tensor))
-    done: list[tuple[int, list[tuple[Instruction, int]]]] = []   # (readiness position, members)
-    open_: dict[tuple[str, str], list[tuple[Instruction, int]]] = {}
+    lanes: dict[tuple[str, str], list[tuple[int, Instruction, int]]] = {}  # (axis, variant) -> members
     for pos, ins in enumerate(syncs):
-        size, key = local_nbytes(graph, shards, ins.tensor, ins.layout), (ins.axis, ins.variant)
-        members = open_.setdefault(key, [])
-        cap = cap_bytes if key in closed or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
-        if members and sum(s for _, s in members) + size > cap:
-            done.append((pos - 1, open_.pop(key)))
-            members = open_[key] = []
-            closed.add(key)
-        members.append((ins, size))
-    last = {id(m): pos for pos, ins in enumerate(syncs) for m in open_.values() if m[-1][0] is ins}
-    done += [(last[id(m)], m) for m in open_.values()]
-    done.sort(key=lambda d: d[0])
+        lanes.setdefault((ins.axis, ins.variant), []).append((pos, ins, local_nbytes(graph, shards, ins.tensor, ins.layout)))
+    done = [g for lane in lanes.values() for g in _lane_buckets(lane, cap_bytes, first_cap_bytes, last_cap_bytes)]
+    done.sort(key=lambda g: g[-1][0])  # by readiness: the position of the last member
+    done = [[(i, s) for _, i, s in g] for g in done]
     return tuple(GradBucket(index=b, axis=g[0][0].axis, variant=g[0][0].variant,
                             params=tuple(i.tensor for i, _ in g),
                             ready_after=min((uses[i.tensor] for i, _ in g))[1],
-                            nbytes=sum(s for _, s in g)) for b, (_, g) in enumerate(done))
+                            nbytes=sum(s for _, s in g)) for b, g in enumerate(done))
 
+
+def _lane_buckets(lane: list, cap: int, first_cap: int | None, last_cap: int | None) -> list[list]:
+    """One (axis, variant)'s members (position, instruction, bytes) in readiness order, cut
+    into buckets: the last bucket takes the longest tail within `last_cap` (at least one
+    member); before it a bucket closes when the next member would take it past the cap
+    (`first_cap` for the first bucket, when given)."""
+    cut, tail_bytes = len(lane), 0
+    while last_cap is not None and cut > 0 and (cut == len(lane) or tail_bytes + lane[cut - 1][2] <= last_cap):
+        tail_bytes += lane[cut - 1][2]
+        cut -= 1
+    out: list[list] = []
+    for member in lane[:cut]:
+        limit = min(cap, first_cap) if len(out) == 1 and first_cap is not None else cap
+        if not out or sum(m[2] for m in out[-1]) + member[2] > limit:
+            out.append([])
+        out[-1].append(member)
+    return out + ([lane[cut:]] if cut < len(lane) else [])
 
 def check_buckets(sync: GradientSync, program: Sequence[Instruction]) -> None:
     """Every backward all-reduce of the program in exactly one bucket, and nothing else."""

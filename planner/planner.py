@@ -41,7 +41,7 @@ from instruction_set.layouts import P, R, Layout
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.plan_checks import ShardTable
 from instruction_set.program import COLLECTIVES, Instruction
-from instruction_set.sync import GradientSync
+from instruction_set.sync import BucketShape, GradientSync
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
@@ -415,7 +415,7 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
     if bucket_cap is None and len(program) == len(best.program):
         prediction, sync = best.prediction, best.sync
     else:
-        prediction, sync = predict_program(pb, program, bucket_cap)
+        prediction, sync = predict_program(pb, program, BucketShape(bucket_cap) if bucket_cap else None)
     return Plan(
         model=model_info(graph), cluster=cluster, mesh=pb.mesh,
         graph=graph, sharding_ratios=best.ratios,
@@ -434,7 +434,7 @@ def without_fusion(plan: Plan) -> Plan:
     ratios and shard lengths), re-predicted: the control of bench/overlap.py."""
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
     program = unfuse_program(pb, plan.instructions)
-    prediction, sync = predict_program(pb, program, plan.gradient_sync.bucket_cap_bytes if plan.gradient_sync else None)
+    prediction, sync = predict_program(pb, program, plan.gradient_sync.shape if plan.gradient_sync else None)
     return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
                                    "gradient_sync": sync})
 

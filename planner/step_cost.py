@@ -39,10 +39,14 @@ does. The step is
 (f_i the forward halves; scalars: the all-reduce of the clipping norm, only when some
 gradient is sharded; the loss all-reduce is issued after the forward and hidden).
 
-The bucket cap: each candidate of CAPS_BYTES, one bucket for everything, and torch DDP's own
-shape (a 1 MiB first bucket, then 25 MiB; DDP_SHAPE) is costed with this form at the final
-ratios; the fastest wins (ties: the larger cap, fewer collectives) and is recorded in the plan
-with every candidate's prediction.
+The bucket shape (instruction_set.sync.BucketShape): each cap of CAPS_BYTES, one bucket for
+everything, torch DDP's own shape (a 1 MiB first bucket, then 25 MiB; DDP_SHAPE), and each of
+these with a small last bucket (LAST_CAPS_BYTES) is costed with this form at the final ratios;
+the fastest wins (ties: larger caps, fewer collectives) and is recorded in the plan with every
+candidate's prediction. The last bucket is the one ready only when the backward ends: its
+all-reduce is never hidden, so the tail of the step is at least S_B. Capping it alone keeps
+that tail short without paying the per-message cost m_i k_b on every earlier bucket, which a
+small cap everywhere would.
 """
 
 from __future__ import annotations
@@ -57,15 +61,26 @@ from instruction_set.kinds import kind as instruction_kind
 from instruction_set.plan import Prediction
 from instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
 from instruction_set.training_state import TrainingState
-from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, SYNC_MESSAGES, GradBucket, GradientSync, assign_buckets
+from instruction_set.sync import (DEFAULT_BUCKET_CAP_BYTES, ONE_BUCKET, SYNC_MESSAGES, BucketShape, GradBucket,
+                                  GradientSync, assign_buckets)
 from planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.problem import Problem
 from planner.recompute import recompute_memory
 
 CAPS_BYTES = (2**18, 2**20, 4 * 2**20, 25 * 2**20)  # 256 KiB up to torch DDP's 25 MiB cap
-ONE_BUCKET = 2**62
-DDP_SHAPE = (25 * 2**20, 2**20)  # torch DDP's default: a 1 MiB first bucket, then 25 MiB
+LAST_CAPS_BYTES = (2**18, 2**19, 2**20)              # a small last bucket: 256 KiB to 1 MiB
+DDP_SHAPE = BucketShape(25 * 2**20, 2**20)  # torch DDP's default: a 1 MiB first bucket, then 25 MiB
+
+
+def plain_shapes() -> list[BucketShape]:
+    """The shapes without a last cap, in order of preference among equal predictions."""
+    return [BucketShape(c) for c in (ONE_BUCKET, *reversed(CAPS_BYTES))] + [DDP_SHAPE]
+
+
+def with_last_caps(shape: BucketShape) -> list[BucketShape]:
+    """`shape` with each smaller last cap of LAST_CAPS_BYTES."""
+    return [shape._replace(last=last) for last in LAST_CAPS_BYTES if last < shape.cap]
 
 
 def _scaled(form: Form, factor: float) -> Form | None:
@@ -246,35 +261,34 @@ def param_shards(pb: Problem, program: Sequence[Instruction]) -> dict[str, dict[
 
 
 def choose_buckets(pb: Problem, program: Sequence[Instruction],
-                   forced_cap: int | None = None) -> tuple[GradientSync, list[Term]]:
-    """The bucket cap the model predicts fastest (or `forced_cap`), its buckets and terms."""
-    shards, split = param_shards(pb, program), _split(pb, program)  # both independent of the cap
-    tried: dict[tuple[int, int | None], tuple[tuple[GradBucket, ...], list[Term], float]] = {}
-    caps = [(forced_cap, None)] if forced_cap else [(c, None) for c in (*CAPS_BYTES, ONE_BUCKET)] + [DDP_SHAPE]
-    for cap, first in caps:
-        buckets = assign_buckets(pb.graph, program, shards, cap, first)
-        terms = program_terms(pb, program, buckets, split)
-        tried[cap, first] = (buckets, terms, sum(seconds(t.time) for t in terms))
-    best = min(tried, key=lambda c: (round(tried[c][2], 9), -c[0], -(c[1] or c[0])))
-    chosen_from = {_cap_label(*c): t[2] for c, t in tried.items()}
-    return GradientSync(bucket_cap_bytes=best[0], first_bucket_cap_bytes=best[1], buckets=tried[best][0],
-                        chosen_from=chosen_from), tried[best][1]
+                   forced: BucketShape | None = None) -> tuple[GradientSync, list[Term]]:
+    """The bucket shape the model predicts fastest (or `forced`), its buckets and terms: the
+    plain shapes first, then the best of them with each small last bucket."""
+    shards, split = param_shards(pb, program), _split(pb, program)  # both independent of the shape
+    tried: dict[BucketShape, tuple[tuple[GradBucket, ...], list[Term], float]] = {}
 
+    def cost(shapes: Sequence[BucketShape]) -> BucketShape:
+        for shape in shapes:
+            buckets = assign_buckets(pb.graph, program, shards, *shape)
+            if not any(buckets == t[0] for t in tried.values()):  # else the same buckets as a costed shape
+                terms = program_terms(pb, program, buckets, split)
+                tried[shape] = (buckets, terms, sum(seconds(t.time) for t in terms))
+        return min(tried, key=lambda s: (round(tried[s][2], 9), len(tried[s][0])))
 
-def _cap_label(cap: int, first: int | None) -> str:
-    """A candidate's name in GradientSync.chosen_from: MiB, "all" for one bucket, "1+25" for
-    a 1 MiB first bucket and 25 MiB after it."""
-    text = "all" if cap == ONE_BUCKET else f"{cap / 2**20:g}"
-    return text if first is None else f"{first / 2**20:g}+{text}"
+    best = cost([forced]) if forced else cost(with_last_caps(cost(plain_shapes())))
+    return GradientSync(bucket_cap_bytes=best.cap, first_bucket_cap_bytes=best.first,
+                        last_bucket_cap_bytes=best.last, buckets=tried[best][0],
+                        chosen_from={s.label(): t[2] for s, t in tried.items()}), tried[best][1]
 
 
 def predict_program(pb: Problem, program: Sequence[Instruction],
-                    forced_cap: int | None = None) -> tuple[Prediction, GradientSync]:
-    """The prediction of a program with its gradient buckets at the cap the model prefers."""
-    sync, terms = choose_buckets(pb, program, forced_cap)
+                    forced: BucketShape | None = None) -> tuple[Prediction, GradientSync]:
+    """The prediction of a program with its gradient buckets at the shape the model prefers
+    (or `forced`)."""
+    sync, terms = choose_buckets(pb, program, forced)
     return predict(pb, terms), sync
 
 
-__all__ = ["CAPS_BYTES", "DDP_SHAPE", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
+__all__ = ["CAPS_BYTES", "DDP_SHAPE", "LAST_CAPS_BYTES", "plain_shapes", "with_last_caps", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
            "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant",
            "param_shards", "predict_program", "program_terms", "TransferCpu"]

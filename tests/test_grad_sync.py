@@ -44,6 +44,10 @@ def test_buckets_follow_reverse_first_use_within_the_cap() -> None:
     ddp = assign_buckets(plan.graph, plan.instructions, plan.shards, 2**40, 4096)  # DDP's shape: small first
     assert [len(b.params) for b in ddp] == [len(plan.gradient_sync.buckets[0].params), len(order) - len(ddp[0].params)]
     assert ddp[0] == plan.gradient_sync.buckets[0]
+    tail = assign_buckets(plan.graph, plan.instructions, plan.shards, 2**40, 4096, 4096)  # and a small last one
+    assert len(tail) == 3 and tail[0] == ddp[0] and tail[-1] == plan.gradient_sync.buckets[-1].model_copy(
+        update={"index": 2})
+    assert [p for b in tail for p in b.params] == order
 
 
 def test_plan_with_buckets_missing_a_gradient_is_refused() -> None:
