@@ -13,6 +13,8 @@ instructions are emitted in order:
   matmul_rs        (runtime.fused_ops); ag_matmul's gathered input is its second result
   recomputed block the instructions of a unit the plan recomputes, as one checkpointed call
                    (runtime.recompute)
+  cross-entropy    its decomposed pieces, where a rank holds whole rows of the logits, as one
+                   F.cross_entropy call (runtime.peephole)
   buffer update    `copy_(buffer, new)` is not run in the forward: the program returns the
                    new value, and the trainer writes it into the buffer after the backward
                    pass (an in-place write during the forward would invalidate tensors saved
@@ -49,6 +51,7 @@ from instruction_set.shards import MeshLayout
 from runtime.conversions import make_conversion, span
 from runtime.fused_ops import FusedLinear
 from runtime.groups import Groups
+from runtime.peephole import fuse_cross_entropy
 from runtime.recompute import emit_unit
 from runtime.sfb import SFBLinearModule
 
@@ -69,6 +72,8 @@ class RankProgram:
     updates: list[str] = field(default_factory=list)  # buffer attributes the outputs after the loss update
     outputs: list[tuple[str, Layout]] = field(default_factory=list)  # returned after the updates (pipeline boundaries)
     ends: list[tuple[int, str]] = field(default_factory=list)  # (instruction index, name of its last fx node)
+    # (instruction index, fx node that now does its work): instructions a peephole merged away
+    merged: list[tuple[int, str]] = field(default_factory=list)
 
 
 class FxBuilder:
@@ -226,8 +231,11 @@ class _Emitter:
             index += 1
         self.graph.output((self.env[(self.plan.graph.loss, P)], *[v for _, v in self.updates],
                            *[self.env[out] for out in self.outputs]))
+        into = fuse_cross_entropy(self.graph)
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
-        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates], ends=ends, outputs=self.outputs)
+        return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates],
+                           ends=[(k, n) for k, n in ends if n not in into], outputs=self.outputs,
+                           merged=[(k, into[n]) for k, n in ends if n in into])
 
 
 def _emit_one(emitter: _Emitter, ins: Instruction) -> None:

@@ -3,7 +3,8 @@
 The runtime records raw times only; naming, merging and the comparison with the plan's
 prediction are hetsynth.trace's work. A traced step runs a second GraphModule built from the
 rank's program (same parameters, buffers and collective modules, so training is unchanged)
-with a stamp after the last fx node of every instruction (RankProgram.ends):
+with a stamp after the last fx node of every instruction (RankProgram.ends), and just before
+the node that does the work of an instruction a peephole merged away (RankProgram.merged):
 
 - forward: instruction k runs from the end of the previous stamp to the start of its own
   (only get_attr nodes, which cost nothing, lie between two instructions);
@@ -98,6 +99,9 @@ def timed_module(program: RankProgram, recorder: Recorder) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     ends = dict((name, index) for index, name in program.ends)
+    merged: dict[str, list[int]] = {}
+    for index, name in program.merged:
+        merged.setdefault(name, []).append(index)
     holder = None
     for node in program.module.graph.nodes:
         if node.op == "output":
@@ -105,6 +109,8 @@ def timed_module(program: RankProgram, recorder: Recorder) -> fx.GraphModule:
             continue
         if node.op != "placeholder" and holder is None:
             holder = graph.get_attr("_hetsynth_recorder")
+        for index in merged.get(node.name, ()):  # merged into this node: stamped just before it
+            graph.call_function(_stamp, (holder, index, None))
         env[node] = graph.node_copy(node, lambda n: env[n])
         if node.name in ends:
             graph.call_function(_stamp, (holder, ends[node.name], env[node]))
