@@ -21,6 +21,7 @@ A step is exactly a single-device step:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -39,7 +40,7 @@ from instruction_set.shards import MeshLayout
 from runtime.codegen import RankProgram, build_rank_program, local_slice
 from runtime.config import TrainConfig
 from runtime.groups import Groups, group_timeout
-from runtime.pipeline.transfer import Link, Outbox, receive_forward, send_forward
+from runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
 from runtime.train import full_state, make_optimizer, precision
 
 MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
@@ -64,6 +65,7 @@ class PipelineTrainer:
     state: dict[str, torch.Tensor]         # the model's whole buffers as initialised (statistics read them)
     outbox: Outbox = field(default_factory=Outbox)
     losses: list[float] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # of the last step (train_step)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -212,11 +214,13 @@ def run_actions(t: PipelineTrainer, step: int) -> torch.Tensor:
     outs: dict[int, dict] = {}
     loss = torch.zeros((), dtype=torch.float64)
     last = s == len(pipeline.stages) - 1
+    posted = {(a.boundary, a.micro_batch): post_receive(_link(t, a.boundary, a.micro_batch))
+              for a in pipeline.actions[s] if a.op is ActionOp.RECV_F}  # all ahead (runtime.pipeline.transfer)
     for a in pipeline.actions[s]:
         m = a.micro_batch
         if a.op is ActionOp.RECV_F:
             bd = pipeline.boundaries[a.boundary]
-            received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(_link(t, a.boundary, m), True)
+            received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(posted.pop((a.boundary, m)), True)
         elif a.op is ActionOp.F:
             program = t.programs[pipeline.micro_batches[m]]
             result = program.module(*micro_inputs(t, step, m, received.pop(m, {}), stats))
@@ -297,12 +301,17 @@ def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
 
 
 def train_step(t: PipelineTrainer, step: int) -> float:
-    """One step (module docstring); returns the global loss."""
+    """One step (module docstring); returns the global loss. `t.phases` gets this rank's
+    seconds of the actions, the gradient syncs, and the norm with the update."""
     with precision(t.config.dtype):
+        start = time.perf_counter()
         loss = run_actions(t, step)
         t.outbox.flush()
+        actions = time.perf_counter()
         sync_gradients(t)
+        synced = time.perf_counter()
         value = clip_and_step(t, loss)
+    t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": time.perf_counter() - synced}
     t.losses.append(value)
     return value
 

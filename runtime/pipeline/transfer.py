@@ -13,10 +13,18 @@ Forward (activation of micro-batch m on boundary i):
 A Partial source is first reduce-scattered over the source stage (differentiable: its adjoint
 all-gathers in the source's backward), as instruction_set.resharding prescribes.
 
-Sends are non-blocking and receives blocking, the semantics the dry run (instruction_set.schedule)
-checks the action lists under. Every posted send is kept and waited once, at the end of the step
-(`Outbox.flush`: gloo must not wait a work twice). Tags tell the transfers of one pair of ranks
-apart: (boundary, micro-batch, chain, direction).
+Receives are posted AHEAD of the actions that need them, because gloo's point-to-point is a
+rendezvous (the data of an `isend` moves only once the peer has posted the matching `irecv`):
+a receive posted only when its action starts would put every transfer on the receiver's
+critical path, whatever the schedule. So a destination posts the receives of all its
+micro-batches' activations when the step starts (`post_receive`; RECV_F then waits for them),
+and a source posts the receive of micro-batch m's gradient when it sends m's activation
+(`send_forward`; its backward waits for it). gloo moves the bytes on its own threads while the
+stage computes: the overlap eager-1F1B counts on (cost_models.schedule). Every posted work is
+waited exactly once (gloo must not wait a work twice): sends at the end of the step
+(`Outbox.flush`), receives where their data is used. The dry run (instruction_set.schedule)
+checks the action lists under blocking receives, which posting ahead only relaxes. Tags tell
+the transfers of one pair of ranks apart: (boundary, micro-batch, chain, direction).
 """
 
 from __future__ import annotations
@@ -77,6 +85,36 @@ def _within(box: Box, outer: Box) -> tuple[slice, ...]:
     return box.within(outer)
 
 
+@dataclass
+class Posted:
+    """Receives posted ahead: (work, chain, buffer) each, waited once by `take`."""
+
+    link: Link
+    works: list[tuple[Any, Any, torch.Tensor]]
+
+    @staticmethod
+    def post(link: Link, position: int, backward: bool) -> "Posted":
+        """irecv of every slice this rank receives on `link` (position 1: as destination of
+        the activation; 0: as source, of its gradient)."""
+        works = []
+        for i, chain in link.chains(position):
+            buf = torch.empty(chain.box.shape, dtype=link.dtype)
+            works.append((dist.irecv(buf, src=chain.members[1 - position], group=link.world,
+                                     tag=link.tag(i, backward)), chain, buf))
+        return Posted(link, works)
+
+    def take(self, out: torch.Tensor, outer: Box, add: bool) -> torch.Tensor:
+        """Wait for every slice and put (add: add) it into its box of `out` (whose box is `outer`)."""
+        for work, chain, buf in self.works:
+            work.wait()
+            if add:
+                out[_within(chain.box, outer)] += buf
+            else:
+                out[_within(chain.box, outer)] = buf
+        self.works = []
+        return out
+
+
 class _SendForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, link: Link) -> torch.Tensor:
@@ -85,34 +123,22 @@ class _SendForward(torch.autograd.Function):
         for i, chain in link.chains(0):
             link.outbox.post(x.detach()[_within(chain.box, box)].contiguous(), chain.members[1],
                              link.tag(i, False), link.world)
+        ctx.posted = Posted.post(link, 0, True) if ctx.needs_input_grad[0] else None  # the gradient, ahead
         return x.new_zeros(0)
 
     @staticmethod
     def backward(ctx: Any, _token: torch.Tensor) -> tuple[torch.Tensor, None]:
         link: Link = ctx.link
         grad = torch.zeros(ctx.shape, dtype=link.dtype)
-        box = link.box("src")
-        for i, chain in link.chains(0):
-            buf = torch.empty(chain.box.shape, dtype=link.dtype)
-            dist.recv(buf, src=chain.members[1], group=link.world, tag=link.tag(i, True))
-            grad[_within(chain.box, box)] += buf
-        return grad, None
+        return ctx.posted.take(grad, link.box("src"), add=True), None
 
 
 class _ReceiveForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, link: Link) -> torch.Tensor:
-        ctx.link = link
+    def forward(ctx: Any, anchor: torch.Tensor, posted: Posted) -> torch.Tensor:
+        link = ctx.link = posted.link
         box = link.box("dst")
-        out = torch.empty(box.shape, dtype=link.dtype)
-        works = []
-        for i, chain in link.chains(1):
-            buf = torch.empty(chain.box.shape, dtype=link.dtype)
-            works.append((dist.irecv(buf, src=chain.members[0], group=link.world, tag=link.tag(i, False)), chain, buf))
-        for work, chain, buf in works:
-            work.wait()
-            out[_within(chain.box, box)] = buf
-        return out
+        return posted.take(torch.empty(box.shape, dtype=link.dtype), box, add=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
@@ -136,7 +162,12 @@ def send_forward(x: torch.Tensor, link: Link) -> torch.Tensor:
     return _SendForward.apply(x, link)
 
 
-def receive_forward(link: Link, requires_grad: bool) -> torch.Tensor:
-    """This rank's box of a boundary tensor, received (module docstring)."""
-    anchor = torch.zeros(0, dtype=link.dtype, requires_grad=requires_grad)
-    return _ReceiveForward.apply(anchor, link)
+def post_receive(link: Link) -> Posted:
+    """Post the receives of this rank's slices of a boundary tensor (module docstring)."""
+    return Posted.post(link, 1, False)
+
+
+def receive_forward(posted: Posted, requires_grad: bool) -> torch.Tensor:
+    """This rank's box of a boundary tensor, from its posted receives (module docstring)."""
+    anchor = torch.zeros(0, dtype=posted.link.dtype, requires_grad=requires_grad)
+    return _ReceiveForward.apply(anchor, posted)
