@@ -5,14 +5,18 @@ Semantics (the runtime's, runtime.pipeline):
   program with its own collectives). F(m) starts when the stage is free and every boundary
   input of m has arrived; B(m) when the stage is free and the gradient of every boundary output
   of m has arrived (on the last stage its own F(m) is enough, the list orders it).
-- A SEND is posted when the producing action ends and does not block the stage. Its transfer
-  starts at max(posting time, end of the same boundary and direction's previous transfer: a
-  channel is FIFO) and takes `seconds[m]`. Each (boundary, direction) is its own resource: the
-  NICs that different boundaries share are not modelled yet.
+- A SEND is posted when the producing action ends and does not block the stage (the receiver
+  posted its receive ahead: runtime.pipeline.transfer). Its transfer starts at max(posting
+  time, end of the same boundary and direction's previous transfer: a channel is FIFO, the
+  time every resource it needs is free) and takes `seconds[m]`, holding its resources (the
+  NICs it crosses, `resources[channel]`: transfers of different boundaries or directions that
+  share a NIC queue for it, in the order the simulation posts them). A channel without
+  resources only queues behind itself.
 - Stage s ends at its last action's end plus `sync_s` (its in-stage gradient all-reduce); then
-  one world all-reduce of [norm^2, loss] (`global_s`) and the slowest stage's `update_s`.
+  the all-reduces of parameters several stages hold (`shared_s`, once all stages are done), one
+  world all-reduce of [norm^2, loss] (`global_s`) and the slowest stage's `update_s`.
 
-    step = max_s (end_s + sync_s) + global_s + max_s update_s
+    step = max_s (end_s + sync_s) + shared_s + global_s + max_s update_s
 
 Written here rather than borrowed: torch.distributed.pipelining simulates the order of its
 actions, not their times.
@@ -21,7 +25,7 @@ actions, not their times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence
 
 from instruction_set.schedule import Action, ActionOp, Link, ScheduleError
 
@@ -55,8 +59,11 @@ class Timeline:
 
 class _Sim:
     def __init__(self, actions: Sequence[Sequence[Action]], stages: Sequence[StageTimes], links: Sequence[Link],
-                 transfers: dict[tuple[int, str], Sequence[float]]) -> None:
+                 transfers: Mapping[tuple[int, str], Sequence[float]],
+                 resources: Mapping[tuple[int, str], frozenset[Hashable]]) -> None:
         self.actions, self.stages, self.links, self.transfers = actions, stages, links, transfers
+        self.resources = resources
+        self.resource_free: dict[Hashable, float] = {}
         self.clock = [0.0] * len(actions)
         self.arrival: dict[tuple[int, str, int], float] = {}
         self.channel_free: dict[tuple[int, str], float] = {}
@@ -81,18 +88,24 @@ class _Sim:
     def _send(self, s: int, a: Action) -> None:
         direction = a.op.value[-1]
         channel = (a.boundary, direction)
-        start = max(self.clock[s], self.channel_free.get(channel, 0.0))
+        needs = self.resources.get(channel, frozenset())
+        start = max(self.clock[s], self.channel_free.get(channel, 0.0), *(self.resource_free.get(r, 0.0) for r in needs))
         end = start + self.transfers.get(channel, [0.0] * (a.micro_batch + 1))[a.micro_batch]
         self.channel_free[channel] = end
+        for r in needs:
+            self.resource_free[r] = end
         self.arrival[(a.boundary, direction, a.micro_batch)] = end
         self.events.append(TimelineEvent(s, f"XFER_{direction}", a.micro_batch, start, end, a.boundary))
 
 
 def simulate_schedule(actions: Sequence[Sequence[Action]], stages: Sequence[StageTimes], links: Sequence[Link],
-                      transfers: dict[tuple[int, str], Sequence[float]], *, global_s: float = 0.0) -> Timeline:
+                      transfers: Mapping[tuple[int, str], Sequence[float]], *, global_s: float = 0.0,
+                      shared_s: float = 0.0,
+                      resources: Mapping[tuple[int, str], frozenset[Hashable]] | None = None) -> Timeline:
     """The timeline of one step. `transfers[(boundary, "F" | "B")][m]`: seconds of micro-batch
-    m's activation (F) or gradient (B) transfer on that boundary (absent: 0)."""
-    sim = _Sim(actions, stages, links, transfers)
+    m's activation (F) or gradient (B) transfer on that boundary (absent: 0); `resources` of
+    the same keys: the NICs each transfer holds (absent: none)."""
+    sim = _Sim(actions, stages, links, transfers, resources or {})
     pos = [0] * len(actions)
     moved = True
     while moved:
@@ -108,5 +121,5 @@ def simulate_schedule(actions: Sequence[Sequence[Action]], stages: Sequence[Stag
         if st.sync_s:
             sim.events.append(TimelineEvent(s, "SYNC", -1, sim.clock[s], end))
         ends.append(end)
-    step = max(ends) + global_s + max((st.update_s for st in stages), default=0.0)
+    step = max(ends) + shared_s + global_s + max((st.update_s for st in stages), default=0.0)
     return Timeline(step, sim.events)

@@ -20,7 +20,7 @@ import logging
 from typing import Sequence
 
 from cost_models.flows import NicModel
-from cost_models.schedule import StageTimes, simulate_schedule
+from cost_models.schedule import simulate_schedule
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import P, R, Layout
@@ -33,8 +33,9 @@ from instruction_set.reshard_sides import Placed, reshard_spec
 from instruction_set.resharding import ReshardMethod
 from instruction_set.schedule import Link, Schedule, build_actions, check_actions
 from instruction_set.stages import boundary_outputs, stage_graph
-from planner.microbatch import micro_batch_sizes, micro_graphs
+from planner.microbatch import MeasureAt, micro_batch_sizes, micro_graphs
 from planner.planner import _evaluate, finalize, make_plan, model_info, shard_table, without_fusion
+from planner import stage_times
 from planner.resharding import plan_reshard
 
 log = logging.getLogger(__name__)
@@ -128,36 +129,32 @@ def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], c
 
 
 def predict(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
-            schedule: Schedule) -> tuple[float, float]:
-    """Predicted step time and the busiest stage's idle time under `schedule`: per micro-batch
-    forward/backward times from each stage plan's prediction at that size, split by FLOPs."""
+            schedule: Schedule, cluster: ClusterSpec) -> tuple[float, float]:
+    """Predicted step time and the busiest stage's idle time under `schedule`: the simulation
+    (cost_models.schedule) of the stages' per-micro-batch phases and the boundary transfers on
+    their NICs (planner.stage_times)."""
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
-    times = []
-    for st in stages:
-        fwd, bwd = [], []
-        for b in sizes:
-            plan = st.plans[b]
-            f, g = plan.graph.flops
-            share = f / (f + g) if f + g > 0 else 1 / 3
-            compute = plan.predicted.step_time_s
-            fwd.append(compute * share)
-            bwd.append(compute * (1 - share))
-        times.append(StageTimes(tuple(fwd), tuple(bwd)))
+    hosts = cluster.rank_nodes()
     transfers = {(i, d): tuple(bd.reshard[b].predicted_s for b in sizes) for i, bd in enumerate(boundaries) for d in "FB"}
-    timeline = simulate_schedule(build_actions(schedule, len(sizes), links, len(stages)), times, links, transfers)
+    nics = {(i, d): stage_times.nics(bd, max(sizes), hosts, d) for i, bd in enumerate(boundaries) for d in "FB"}
+    timeline = simulate_schedule(build_actions(schedule, len(sizes), links, len(stages)),
+                                 stage_times.stage_times(stages, boundaries, sizes), links, transfers,
+                                 global_s=stage_times.global_s(cluster), shared_s=stage_times.shared_s(stages, cluster),
+                                 resources=nics)
     busiest = max(range(len(stages)), key=timeline.busy_s)
     return timeline.step_time_s, timeline.step_time_s - timeline.busy_s(busiest)
 
 
 def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice], *, num_micro: int,
                        schedule: Schedule = Schedule.EAGER_1F1B, ratios: Sequence[Sequence[float] | None] | None = None,
-                       width: int = 64) -> Plan:
+                       width: int = 64, measure: MeasureAt | None = None) -> Plan:
     """`spmd` (the best SPMD plan of the model on the whole cluster) with the pipeline of the
-    given stage choice, shape pipeline (module docstring)."""
+    given stage choice, shape pipeline (module docstring). `measure` times the ops of each
+    micro-batch size (planner.microbatch.micro_graphs)."""
     cluster, full = spmd.cluster, spmd.graph
     try:
         sizes = micro_batch_sizes(spmd.model.batch_size, num_micro)
-        graphs, found = micro_graphs(spec, full, sizes)
+        graphs, found = micro_graphs(spec, full, sizes, measure)
         coupled = ""
     except ValueError as err:
         if num_micro == 1:
@@ -171,7 +168,7 @@ def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     actions = build_actions(schedule, len(sizes), links, len(built))
     check_actions(actions, links, len(sizes))
-    predicted = {str(s): predict(built, boundaries, sizes, s) for s in Schedule}
+    predicted = {str(s): predict(built, boundaries, sizes, s, cluster) for s in Schedule}
     pipeline = Pipeline(stages=tuple(built), boundaries=boundaries, micro_batches=tuple(sizes), schedule=schedule,
                         actions=actions, statistics=found.statistics, coupled=coupled,
                         predicted=PipelinePrediction(step_time_s=predicted[str(schedule)][0],
@@ -201,7 +198,7 @@ def with_schedule(plan: Plan, schedule: Schedule) -> Plan:
     if p is None:
         raise ValueError("with_schedule needs a pipeline plan")
     actions = build_actions(schedule, len(p.micro_batches), p.links, len(p.stages))
-    step_s, bubble_s = predict(p.stages, p.boundaries, p.micro_batches, schedule)
+    step_s, bubble_s = predict(p.stages, p.boundaries, p.micro_batches, schedule, plan.cluster)
     predicted = p.predicted.model_copy(update={"step_time_s": step_s, "bubble_s": bubble_s})
     return plan.model_copy(update={"pipeline": Pipeline.model_validate(
         p.model_copy(update={"schedule": schedule, "actions": actions, "predicted": predicted}).model_dump())})
@@ -243,7 +240,7 @@ def balanced_cuts(graph: ReferenceGraph, weights: Sequence[float]) -> list[tuple
 
 
 def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int | None = None,
-                schedule: Schedule | None = None, width: int = 64) -> Plan:
+                schedule: Schedule | None = None, width: int = 64, measure: MeasureAt | None = None) -> Plan:
     """A pipeline of `num_stages` stages (`rank_groups`, `balanced_cuts` by the groups'
     throughputs), with the micro-batch count (of S, 2S, 4S within the batch, unless given) and
     the schedule (unless given) the simulation predicts fastest. The plan's shape is the
@@ -254,11 +251,11 @@ def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int 
     cuts = balanced_cuts(spmd.graph, [sum(speeds[r] for r in g) for g in groups])
     batch = spmd.model.batch_size
     counts = [num_micro] if num_micro else sorted({m for m in (num_stages, 2 * num_stages, 4 * num_stages) if m <= batch} or {batch})
-    return _choose_shape(spmd, _best_pipeline(spmd, spec, [(list(zip(groups, cuts)), counts)], schedule, width))
+    return _choose_shape(spmd, _best_pipeline(spmd, spec, [(list(zip(groups, cuts)), counts)], schedule, width, measure))
 
 
 def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, schedule: Schedule | None = None,
-                max_stages: int = 8, top_k: int = 2, width: int = 64) -> Plan:
+                max_stages: int = 8, top_k: int = 2, width: int = 64, measure: MeasureAt | None = None) -> Plan:
     """The stage choice of the dynamic programme (planner.stage_dp: stages, cuts at block
     starts, sub-meshes, M and schedule by its estimate), its `top_k` candidates synthesized
     and simulated, the fastest kept; the shape as in `plan_stages`. The SPMD plan unchanged
@@ -275,17 +272,17 @@ def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, sc
     for c in found:
         log.info("stage candidate: %s", c.describe())
     tries = [(list(c.stages), [c.num_micro]) for c in found]
-    return _choose_shape(spmd, _best_pipeline(spmd, spec, tries, schedule, width))
+    return _choose_shape(spmd, _best_pipeline(spmd, spec, tries, schedule, width, measure))
 
 
 def _best_pipeline(spmd: Plan, spec: ModelSpec, tries: Sequence[tuple[list[StageChoice], Sequence[int]]],
-                   schedule: Schedule | None, width: int) -> Plan:
+                   schedule: Schedule | None, width: int, measure: MeasureAt | None = None) -> Plan:
     """The fastest of the given stage choices and micro-batch counts, each under the given
     schedule or the one the simulation predicts fastest."""
     best: Plan | None = None
     for choice, counts in tries:
         for m in counts:
-            candidate = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width)
+            candidate = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width, measure=measure)
             p = candidate.pipeline
             pick = schedule or min(Schedule, key=lambda s: p.predicted.schedules[str(s)])
             candidate = with_schedule(candidate, pick) if pick is not p.schedule else candidate

@@ -67,3 +67,34 @@ def test_dry_run_refuses_malformed_lists():
     swapped[0][1], swapped[0][4] = swapped[0][4], swapped[0][1]  # SEND_F mb 1 before mb 0's
     with pytest.raises(ScheduleError, match="increasing micro-batch order|comes before"):
         check_actions(swapped, links, 3)
+
+
+def test_transfers_that_share_a_nic_queue_for_it():
+    """Two boundary tensors from stage 0 to stage 1 (GPipe, M = 1, F = 1, B = 2, C = 1 each):
+    on their own links both arrive together; through one NIC per direction the second waits
+    for the first, in both directions (activations and gradients)."""
+    links = [Link(src=0, dst=1), Link(src=0, dst=1)]
+    actions = build_actions(Schedule.GPIPE, 1, links, 2)
+    stages = [StageTimes((1.0,), (2.0,)), StageTimes((1.0,), (2.0,))]
+    transfers = {(i, d): (1.0,) for i in range(2) for d in "FB"}
+    assert simulate_schedule(actions, stages, links, transfers).step_time_s == 8.0
+    nics = {(i, "F"): frozenset({(0, "out"), (1, "in")}) for i in range(2)}
+    nics |= {(i, "B"): frozenset({(1, "out"), (0, "in")}) for i in range(2)}
+    shared = simulate_schedule(actions, stages, links, transfers, resources=nics)
+    assert shared.step_time_s == 10.0
+    ends = sorted(e.end_s for e in shared.events if e.kind == "XFER_F")
+    assert ends == [2.0, 3.0]
+
+
+def test_end_of_step_phases_add_up():
+    """step = max_s (end_s + sync_s) + shared_s + global_s + max_s update_s."""
+    links = chain(2)
+    actions = build_actions(Schedule.ONE_F_ONE_B, 2, links, 2)
+    stages = [StageTimes((1.0, 1.0), (2.0, 2.0), sync_s=0.5, update_s=0.25),
+              StageTimes((1.0, 1.0), (2.0, 2.0), sync_s=3.0, update_s=0.75)]
+    base = simulate_schedule(actions, [StageTimes(s.forward_s, s.backward_s) for s in stages], links, {})
+    ends = {}
+    for e in base.events:
+        ends[e.stage] = max(ends.get(e.stage, 0.0), e.end_s)
+    got = simulate_schedule(actions, stages, links, {}, shared_s=0.125, global_s=0.0625).step_time_s
+    assert got == max(ends[0] + 0.5, ends[1] + 3.0) + 0.125 + 0.0625 + 0.75

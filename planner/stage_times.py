@@ -1,0 +1,152 @@
+"""What the schedule simulation needs of a pipeline: each stage's forward and backward seconds
+per micro-batch, its end-of-step phases, and each boundary transfer's seconds and NICs.
+
+A stage's phases come from its SPMD plan's own cost terms at that micro-batch size
+(planner.step_cost._split), not from the plan's whole-step prediction:
+
+    F_s(b) = sum_i f_i(b)         the forward halves of the stage program at size b
+    B_s(b) = sum_i beta_i(b)      its backward halves (the gradient all-reduces excluded)
+    U_s    = sum_p u_p            its parameter updates, once per step
+    Y_s    = sum_p AR_ring(bytes_p, axis_p)
+
+Y_s is the in-stage gradient synchronisation as runtime.pipeline runs it: after the last
+backward, one synchronous all-reduce (gloo's, the `ring` variant of the cost model) per
+replicated parameter, on the axis its plan synchronises it over; not the SPMD plan's buckets
+overlapped with the backward. A parameter that several stages hold (GPT's tied embedding) is
+then summed over all their ranks at its whole size (`shared_s`), and the clipping norm and the
+loss take one world all-reduce of 16 bytes (`global_s`).
+
+A boundary transfer (forward: the activation; backward: its gradient) takes its resharding
+plan's predicted seconds and occupies the NICs its chains cross, (host, "out") at the sender
+and (host, "in") at the receiver: transfers that share a NIC queue for it
+(cost_models.schedule). What the transfer costs the CPU workers at both ends while it runs in
+the background (the kinds' measured `transfer_cpu_share` of its seconds plus
+`transfer_cpu_us_per_message` per slice, as planner.step_cost charges the gradient buckets)
+is added to the sending and the receiving action of that micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from cost_models.comm import CommModel
+from cost_models.schedule import StageTimes
+from cost_models.terms import seconds
+from instruction_set.cluster import ClusterSpec
+from instruction_set.pipeline import Boundary, PipelineStage
+from instruction_set.plan import Plan
+from planner.problem import Problem
+from planner.step_cost import _split
+
+Channel = tuple[int, str]  # (boundary index, "F" | "B")
+
+
+@dataclass(frozen=True)
+class StagePhases:
+    """One stage at one micro-batch size (module docstring)."""
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+    sync_s: float
+
+
+def _problem(plan: Plan) -> Problem:
+    return Problem(plan.graph, plan.cluster, plan.sharding_ratios)
+
+
+def stage_phases(plan: Plan) -> StagePhases:
+    """F, B, U and Y of a stage plan (module docstring), on the plan's own sub-cluster."""
+    pb = _problem(plan)
+    forward, backward, post = _split(pb, list(plan.instructions))
+    return StagePhases(forward_s=sum(seconds(t.time) for t in forward),
+                       backward_s=sum(seconds(f) for f in backward if f is not None),
+                       update_s=sum(seconds(t.time) for t in post), sync_s=_sync_s(pb, plan))
+
+
+def _sync_s(pb: Problem, plan: Plan) -> float:
+    """Y_s: one ring all-reduce per synchronised parameter gradient, one after the other."""
+    total = 0.0
+    even = (1.0 / pb.width,) * pb.width
+    for ins in plan.instructions:
+        if ins.kind == "all_reduce" and ins.phase == "backward" and pb.comm.group_size(ins.axis) > 1:
+            total += pb.comm.cost("all_reduce", "ring", float(pb.meta(ins.tensor).nbytes), ins.axis).at(even)
+    return total
+
+
+def all_reduce_s(cluster: ClusterSpec, ranks: range, nbytes: float) -> float:
+    """One ring all-reduce of `nbytes` over the ranks `ranks` (0 for a single rank)."""
+    if len(ranks) < 2:
+        return 0.0
+    comm = CommModel(cluster.subset(ranks))
+    return comm.cost("all_reduce", "ring", nbytes, "all").at((1.0 / comm.width,) * comm.width)
+
+
+def shared_s(stages: Sequence[PipelineStage], cluster: ClusterSpec) -> float:
+    """The whole-size all-reduces of the parameters several stages hold, over the span of
+    their ranks (an upper bound when the holders are not adjacent stages)."""
+    holders: dict[str, list[PipelineStage]] = {}
+    nbytes: dict[str, int] = {}
+    for st in stages:
+        for node in next(iter(st.plans.values())).graph.params:
+            holders.setdefault(node.fqn, []).append(st)
+            nbytes[node.fqn] = node.out.nbytes
+    total = 0.0
+    for fqn, held in holders.items():
+        if len(held) > 1:
+            total += all_reduce_s(cluster, range(held[0].first_rank, held[-1].ranks.stop), float(nbytes[fqn]))
+    return total
+
+
+def global_s(cluster: ClusterSpec) -> float:
+    """The world all-reduce of [norm^2, loss] (two float64)."""
+    return all_reduce_s(cluster, range(cluster.num_devices), 16.0)
+
+
+def nics(boundary: Boundary, b: int, hosts: Sequence[int], direction: str) -> frozenset[Hashable]:
+    """The NICs a boundary's transfer at size b crosses: (host, "out") of every sender and
+    (host, "in") of every receiver of a chain between two hosts (backward: reversed)."""
+    out: set[Hashable] = set()
+    for chain in boundary.reshard[b].chains:
+        for a, c in zip(chain.members, chain.members[1:]):
+            src, dst = (a, c) if direction == "F" else (c, a)
+            if hosts[src] != hosts[dst]:
+                out |= {(hosts[src], "out"), (hosts[dst], "in")}
+    return frozenset(out)
+
+
+def transfer_cpu_s(stage: PipelineStage, boundary: Boundary, b: int, transfer_s: float) -> float:
+    """What one transfer at size b costs the busiest worker of `stage` at one of its ends:
+    gamma_k * seconds + m_k * slices (module docstring)."""
+    plan = stage.plans[b]
+    mine = set(stage.ranks)
+    per_rank = {r: 0 for r in mine}
+    for chain in boundary.reshard[b].chains:
+        for r in chain.members:
+            if r in mine:
+                per_rank[r] += 1
+    kinds = plan.cluster.device_kinds
+    devices = plan.cluster.devices
+    return max((kinds[devices[r - stage.first_rank].kind].transfer_cpu_share * transfer_s
+                + kinds[devices[r - stage.first_rank].kind].transfer_cpu_us_per_message * 1e-6 * n)
+               for r, n in per_rank.items() if n) if any(per_rank.values()) else 0.0
+
+
+def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
+                sizes: Sequence[int]) -> list[StageTimes]:
+    """Per stage, the forward and backward seconds of every micro-batch (transfer CPU
+    included), the sync and the update (module docstring)."""
+    phases = [{b: stage_phases(st.plans[b]) for b in set(sizes)} for st in stages]
+    fwd = [[phases[s][b].forward_s for b in sizes] for s in range(len(stages))]
+    bwd = [[phases[s][b].backward_s for b in sizes] for s in range(len(stages))]
+    for bd in boundaries:
+        for m, b in enumerate(sizes):
+            t = bd.reshard[b].predicted_s
+            fwd[bd.src_stage][m] += transfer_cpu_s(stages[bd.src_stage], bd, b, t)
+            fwd[bd.dst_stage][m] += transfer_cpu_s(stages[bd.dst_stage], bd, b, t)
+            bwd[bd.dst_stage][m] += transfer_cpu_s(stages[bd.dst_stage], bd, b, t)
+            bwd[bd.src_stage][m] += transfer_cpu_s(stages[bd.src_stage], bd, b, t)
+    big = max(sizes)
+    return [StageTimes(tuple(fwd[s]), tuple(bwd[s]), sync_s=phases[s][big].sync_s, update_s=phases[s][big].update_s)
+            for s in range(len(stages))]

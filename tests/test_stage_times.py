@@ -1,0 +1,70 @@
+"""The schedule simulation's inputs from a pipeline's stage plans (planner.stage_times), and the
+slow-link cluster spec bench/pipeline.py plans on. Planning only (no process group)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetsynth import capture_model
+from instruction_set.cluster import load_cluster
+from instruction_set.models import parse_model_ref
+from planner.pipeline import block_starts, make_pipeline_plan
+from planner.planner import make_plan
+from planner.stage_times import global_s, nics, shared_s, stage_phases
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    """gpt:tiny in two stages, one per node of local-emulated, 2 micro-batches."""
+    graph = capture_model("gpt:tiny")
+    spmd = make_plan(graph, LOCAL, width=8, progress=False, with_baselines=False)
+    cut, n = block_starts(graph)[1], len(graph.calls)
+    return make_pipeline_plan(spmd, parse_model_ref("gpt:tiny"), [(range(0, 2), (0, cut)), (range(2, 4), (cut, n))],
+                              num_micro=2, width=8)
+
+
+def test_single_device_phases_add_up_to_its_step():
+    """On one device nothing synchronises: F + B + U is the plan's own step prediction."""
+    plan = make_plan(capture_model("gpt:tiny"), LOCAL.first(1), width=8, progress=False, with_baselines=False)
+    ph = stage_phases(plan)
+    assert ph.sync_s == 0.0 and ph.forward_s > 0 and ph.backward_s > ph.forward_s and ph.update_s > 0
+    assert ph.forward_s + ph.backward_s + ph.update_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def test_stage_phases_charge_the_in_stage_sync_per_parameter(pipeline):
+    p = pipeline.pipeline
+    for st in p.stages:
+        plan = st.plans[max(st.plans)]
+        synced = [i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"]
+        ph = stage_phases(plan)
+        assert synced and ph.sync_s > 0.0
+        # each sync pays at least the intra-node latency: one collective per parameter, not buckets
+        assert ph.sync_s >= len(synced) * LOCAL.links.intra_node_latency_us * 1e-6
+
+
+def test_shared_embedding_and_world_scalars_cost_time(pipeline):
+    p = pipeline.pipeline
+    assert shared_s(p.stages, LOCAL) > 0.0  # GPT's tied tok.weight lives on both stages
+    assert shared_s(p.stages[:1], LOCAL) == 0.0
+    assert global_s(LOCAL) > 0.0 and global_s(LOCAL.first(1)) == 0.0
+
+
+def test_boundary_nics_cross_the_link_both_ways(pipeline):
+    p, hosts = pipeline.pipeline, LOCAL.rank_nodes()
+    b = max(p.micro_batches)
+    for bd in p.boundaries:
+        assert nics(bd, b, hosts, "F") == {(0, "out"), (1, "in")}
+        assert nics(bd, b, hosts, "B") == {(1, "out"), (0, "in")}
+    assert nics(p.boundaries[0], b, [0, 0, 0, 0], "F") == frozenset()  # all on one host: no NIC
+
+
+def test_slow_link_spec_loads_with_its_emulation():
+    spec = load_cluster(ROOT / "configs" / "clusters" / "slow-link-emulated.toml")
+    assert [len(n.devices) for n in spec.nodes] == [2, 2]
+    assert spec.links.inter_node_bandwidth_gbps == 0.05 < LOCAL.links.inter_node_bandwidth_gbps
+    assert spec.emulation is not None and sum(spec.emulation.cpu_quota[d.kind] for d in spec.devices) == 1.5
