@@ -117,8 +117,14 @@ def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) 
         raise ValueError(f"--micro-batches {args.micro_batches}: choose 1..{plan.model.batch_size} (the batch size)")
     schedule = Schedule(args.schedule) if args.schedule else None
     spec = parse_model_ref(plan.model.ref)
-    out = (auto_stages(plan, spec, num_micro=args.micro_batches, schedule=schedule) if stages == "auto" else
-           plan_stages(plan, spec, stages, num_micro=args.micro_batches, schedule=schedule))
+    measure = None
+    if getattr(args, "measure_ops", False):  # each micro-batch size's ops timed too (planner.microbatch)
+        from profiling.measured import measure_at
+
+        measure = measure_at(plan.model.ref, plan.graph)
+    out = (auto_stages(plan, spec, num_micro=args.micro_batches, schedule=schedule, measure=measure)
+           if stages == "auto" else
+           plan_stages(plan, spec, stages, num_micro=args.micro_batches, schedule=schedule, measure=measure))
     if out.shape is PlanShape.PIPELINE or out.predicted.fits:
         return out
     tried = "no pipeline of 2..8 stages fits the memory estimate"

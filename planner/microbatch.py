@@ -25,7 +25,7 @@ size and whose outputs do not):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from instruction_set.graph import Node, ReferenceGraph
 from instruction_set.models import ModelSpec, with_overrides
@@ -124,14 +124,22 @@ def statistic_closure(graph: ReferenceGraph, statistics: Sequence[str]) -> tuple
     return tuple(n.name for n in graph.calls if n.name in need)
 
 
-def micro_graphs(spec: ModelSpec, full: ReferenceGraph, sizes: Sequence[int]) -> tuple[dict[int, ReferenceGraph], MicroBatching]:
+MeasureAt = Callable[[ReferenceGraph, int], ReferenceGraph]  # (graph at size b, b) -> its ops timed
+
+
+def micro_graphs(spec: ModelSpec, full: ReferenceGraph, sizes: Sequence[int],
+                 measure: MeasureAt | None = None) -> tuple[dict[int, ReferenceGraph], MicroBatching]:
     """The graph at each distinct micro-batch size, statistics turned into inputs; raises
-    ValueError naming the coupling when the graph cannot be split into these micro-batches."""
+    ValueError naming the coupling when the graph cannot be split into these micro-batches.
+    `measure` times each size's ops (as `full`'s were: profiling.measured.measure_at), so a
+    micro-batch is charged what it takes at its own size, not a share of the whole batch's."""
     distinct = sorted(set(sizes))
     batch = sum(sizes)
     if distinct == [batch]:
         return {batch: full}, MicroBatching((), ())
     graphs = {b: capture_at(spec, b) for b in distinct}
+    if measure is not None:
+        graphs = {b: measure(g, b) for b, g in graphs.items()}
     found = classify(full, graphs[distinct[0]])
     if found.coupled:
         raise ValueError(f"{len(sizes)} micro-batches would change the loss of {spec.ref}: {found.coupled[0]}; "

@@ -5,7 +5,7 @@ whole model there (profiling.model_timing)."""
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -60,3 +60,17 @@ def measured(graph: ReferenceGraph, module: nn.Module, inputs: Sequence[torch.Te
     """`graph` with each op's seconds measured on `module` and `inputs` (seeded)."""
     torch.manual_seed(0)
     return measure_ops(graph, module, inputs)
+
+
+def measure_at(spec_ref: str, full: ReferenceGraph) -> Callable[[ReferenceGraph, int], ReferenceGraph]:
+    """For pipeline micro-batches (planner.microbatch.micro_graphs): the graph of `spec_ref` at
+    batch size b with its ops timed on the first b samples, as `measured` times the whole
+    batch, and `full`'s device kind factors (timed on the emulated devices at the whole batch:
+    a factor is a ratio of two machines at the same rows, not a time)."""
+    spec = parse_model_ref(spec_ref)
+
+    def at(graph: ReferenceGraph, b: int) -> ReferenceGraph:
+        module = spec.build("cpu")
+        timed = measured(graph, module, spec.make_batch(range(b), seed=1))
+        return timed.model_copy(update={"device_scales": full.device_scales})
+    return at
