@@ -16,6 +16,9 @@ with every instruction timed (runtime.timing), on the same trainer: the report's
 entry holds their step times next to the untraced ones of the same rounds (the cost of
 tracing, interleaved), and every rank writes its raw record to `--trace-raw DIR`.
 
+A pipeline plan (shape pipeline) is trained by runtime.pipeline's executor; its phases are
+this rank's actions, gradient syncs and update (runtime.pipeline.trainer.train_step).
+
 Besides plans, `--ddp NAME=MODE:PLAN` adds torch's DistributedDataParallel on the plain model
 (runtime.ddp) with the per-rank rows that PLAN gives its batch input: MODE `mean` is DDP as users
 run it (every rank backpropagates its own mean loss), `weighted` adds the loss weights that make
@@ -29,16 +32,18 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan, load_plan
+from instruction_set.plan import Plan, PlanShape, load_plan
 from runtime.config import TrainConfig
 from runtime.emulation import IFACE
 from runtime.groups import Groups
+from runtime.pipeline import trainer as pipeline_trainer
 from runtime.rank import run_rank
 from runtime.ddp import DDPTrainer, ddp_setup
 from runtime.timing import StepTracer
@@ -71,7 +76,23 @@ class TracedEntry(PlanEntry):
         return self.tracer.step(step, inputs)
 
 
-Entry = PlanEntry | DDPTrainer
+class PipelineEntry:
+    """A pipeline plan's trainer (runtime.pipeline): its micro-batches' data is made inside
+    the step, by each stage for its own rows (a few random tokens: not prefetched)."""
+
+    def __init__(self, trainer: "pipeline_trainer.PipelineTrainer") -> None:
+        self.trainer = trainer
+
+    def make_batch(self, step: int) -> list[torch.Tensor]:
+        return []
+
+    def step(self, step: int, inputs: list[torch.Tensor]) -> StepLog:
+        start = time.perf_counter()
+        loss = pipeline_trainer.train_step(self.trainer, step)
+        return StepLog(loss, time.perf_counter() - start, dict(self.trainer.phases))
+
+
+Entry = PlanEntry | PipelineEntry | DDPTrainer
 
 
 def nic_tx_bytes() -> int | None:
@@ -156,6 +177,10 @@ def _entries(rank: int, args: argparse.Namespace) -> tuple[dict[str, Entry], boo
     reads_nic = False
     for name, path in zip(args.names, args.plans):
         plan = load_plan(path)
+        if plan.shape is PlanShape.PIPELINE:
+            entries[name] = PipelineEntry(pipeline_trainer.setup(plan, rank, TrainConfig(steps=0), world=dist.group.WORLD))
+            reads_nic = plan.mesh.local(rank) == 0
+            continue
         groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
         entries[name] = PlanEntry(setup(plan, groups, TrainConfig(steps=0)))
         reads_nic = groups.mesh.local(rank) == 0

@@ -1,0 +1,234 @@
+"""Pipeline plans against SPMD on a cluster with a slow link, measured (issue 17).
+
+    python bench/pipeline.py [--reprofile] [--rounds 6] [--steps 2] [--only main|eager|local ...]
+
+Cluster: configs/clusters/slow-link-emulated.toml emulated on this machine (runtime.emulation):
+a fast node (2 workers at 0.5 CPU) and a slow node (2 at 0.25 CPU) joined by a 50 Mbit/s link.
+It is profiled first (`hetsynth profile`, messages up to 4 MiB: larger ones take seconds each
+on this link; cached in bench/results/slow-link-emulated-measured.toml, --reprofile measures
+again), and every plan is made for the measured spec with the model's ops timed on this machine
+and on the emulated devices (`hetsynth plan --measure-ops`), each micro-batch size's ops too.
+
+Scenarios:
+- `main`: GPT `small-cpu` with 4 layers of hidden 256 (ffn 1024), batch 32 x 64 tokens. Its
+  parameters are heavy and its boundary activations light: 3.3 M parameters make 13 MB of
+  gradients, which every data-parallel step all-reduces across the link (about 2 s at 50
+  Mbit/s), while a stage boundary carries one micro-batch's residual stream, b x 64 x 256 x 4
+  bytes (128 KiB at b = 2, about 20 ms), each way. Plans: hetsynth's best SPMD plan, DP-CP (the
+  data-parallel program at throughput-proportional ratios), and the `--stages auto` pipeline
+  (planner.pipeline.auto_stages: the stage DP, its candidates synthesized and simulated) under
+  its own schedule and, same stages and micro-batches, under the other two
+  (planner.pipeline.with_schedule).
+- `eager`: where a boundary transfer takes at least half a stage's micro-batch compute:
+  GPT `small-cpu` (2 layers of hidden 128), batch 64, in 2 stages (one per node) of 16
+  micro-batches of 4: the boundary moves 128 KiB per micro-batch each way (about 20 ms) against
+  a few tens of ms of compute per micro-batch on each stage. Eager-1F1B against 1F1B (and
+  GPipe), the same stages; the table gives the predicted C / (F + B) of each stage.
+- `local`: planning only, on bench/results/local-emulated-measured.toml (the shipped
+  local-emulated.toml, profiled by bench/measured_speedup.py), GPT `small-cpu` with
+  `--stages auto`: the planner must keep SPMD there.
+
+All plans of a scenario train on the same workers, interleaved (runtime.compare: 2 warm-up
+steps each, then rounds of `--steps` steps of each in turn); the table gives median seconds
+per step, the prediction and its error, and the ratios against the best SPMD plan and DP-CP.
+Writes bench/results/pipeline.json as {"models": {NAME: {"cluster", "pipeline_s", "spmd_s",
+"dp_cp_s", "pipeline_1f1b_s", "pipeline_gpipe_s", "pipeline_eager_1f1b_s", "predicted_s",
+"stages", ...}}, "local_emulated": {...}}. Needs root for the emulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, ROOT, print_tables, write_json
+
+sys.path.insert(0, str(ROOT))
+
+CLUSTER = ROOT / "configs" / "clusters" / "slow-link-emulated.toml"
+MEASURED = RESULTS / "slow-link-emulated-measured.toml"
+LOCAL_MEASURED = RESULTS / "local-emulated-measured.toml"
+MAIN = "gpt:small-cpu,num_layers=4,hidden=256,ffn_hidden=1024,batch_size=32"
+EAGER = "gpt:small-cpu,batch_size=64"
+SCHEDULES = ("eager_1f1b", "1f1b", "gpipe")
+
+
+def profile(force: bool) -> Path:
+    if force or not MEASURED.exists():
+        subprocess.run([sys.executable, "-m", "hetsynth", "profile", "--cluster", str(CLUSTER), "--max-bytes",
+                        str(4 * 2**20), "-o", str(MEASURED)], cwd=ROOT, check=True)
+    return MEASURED
+
+
+def _measured_graph(ref: str, cluster):
+    import hetsynth
+    from profiling.measured import measure_at
+
+    graph = hetsynth.capture_measured(ref, cluster=cluster)
+    return graph, measure_at(ref, graph)
+
+
+def _schedules(pipeline_plan) -> dict:
+    from instruction_set.plan import PlanShape
+    from instruction_set.schedule import Schedule
+    from planner.pipeline import with_schedule
+
+    return {f"pipeline_{s}": with_schedule(pipeline_plan, Schedule(s)).model_copy(update={"shape": PlanShape.PIPELINE})
+            for s in SCHEDULES}
+
+
+def main_plans(cluster_path: Path) -> tuple[dict, dict]:
+    """name -> Plan: spmd, dp_cp and the auto pipeline under each schedule; and facts."""
+    import hetsynth
+    from instruction_set.models import parse_model_ref
+    from planner import baselines
+    from planner.pipeline import auto_stages
+    from planner.planner import make_plan
+
+    cluster = hetsynth.load_cluster(str(cluster_path))
+    graph, measure = _measured_graph(MAIN, cluster)
+    spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
+    dp_cp = make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
+                      progress=False, with_baselines=False)
+    chosen = auto_stages(spmd, parse_model_ref(MAIN), measure=measure)
+    if chosen.pipeline is None:
+        raise SystemExit("error: --stages auto found no pipeline for the main scenario (see the log)")
+    made = {"spmd": spmd, "dp_cp": dp_cp, **_schedules(chosen)}
+    facts = {"chosen_shape": str(chosen.shape), "chosen_schedule": str(chosen.pipeline.schedule),
+             "stages": describe(chosen)}
+    return made, facts
+
+
+def eager_plans(cluster_path: Path) -> tuple[dict, dict]:
+    import hetsynth
+    from instruction_set.models import parse_model_ref
+    from planner.pipeline import plan_stages
+    from planner.planner import make_plan
+
+    cluster = hetsynth.load_cluster(str(cluster_path))
+    graph, measure = _measured_graph(EAGER, cluster)
+    spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
+    staged = plan_stages(spmd, parse_model_ref(EAGER), 2, num_micro=16, measure=measure)
+    made = {"spmd": spmd, **_schedules(staged)}
+    return made, {"stages": describe(staged), "transfer_vs_compute": transfer_ratios(staged)}
+
+
+def describe(plan) -> str:
+    p = plan.pipeline
+    parts = [f"stage {s.index}: ranks {s.first_rank}-{s.ranks.stop - 1}, calls {s.calls[0]}-{s.calls[1] - 1}"
+             for s in p.stages]
+    return f"{len(p.stages)} stages ({'; '.join(parts)}), M={len(p.micro_batches)} x {max(p.micro_batches)}"
+
+
+def transfer_ratios(plan) -> list[dict]:
+    """Per boundary: its predicted transfer C at the largest micro-batch and C / (F + B) of
+    the stages at both ends (planner.stage_times)."""
+    from planner.stage_times import stage_phases
+
+    p = plan.pipeline
+    b = max(p.micro_batches)
+    out = []
+    for bd in p.boundaries:
+        c = bd.reshard[b].predicted_s
+        ends = [stage_phases(p.stages[s].plans[b]) for s in (bd.src_stage, bd.dst_stage)]
+        out.append({"tensor": bd.tensor, "transfer_s": c,
+                    "c_over_f_plus_b": [c / (e.forward_s + e.backward_s) for e in ends]})
+    return out
+
+
+def local_check() -> dict:
+    """Planning only: on the shipped local-emulated cluster the planner keeps SPMD."""
+    import hetsynth
+    from instruction_set.models import parse_model_ref
+    from planner.pipeline import auto_stages
+    from planner.planner import make_plan
+
+    ref = "gpt:small-cpu"
+    cluster = hetsynth.load_cluster(str(LOCAL_MEASURED))
+    graph, measure = _measured_graph(ref, cluster)
+    spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
+    chosen = auto_stages(spmd, parse_model_ref(ref), measure=measure)
+    piped = chosen.pipeline.predicted.step_time_s if chosen.pipeline else None
+    return {"model": ref, "measured_spec": str(LOCAL_MEASURED.relative_to(ROOT)), "shape": str(chosen.shape),
+            "spmd_predicted_s": spmd.predicted.step_time_s, "pipeline_predicted_s": piped,
+            "pipeline": describe(chosen) if chosen.pipeline else None}
+
+
+def predicted(plan) -> float:
+    return plan.pipeline.predicted.step_time_s if plan.pipeline is not None else plan.predicted.step_time_s
+
+
+def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
+    import hetsynth
+    from instruction_set.cluster import load_cluster
+    from runtime.launch import launch_checked
+
+    paths = []
+    for name, plan in made.items():
+        paths.append(str(workdir / f"{name}.json"))
+        hetsynth.save_plan(plan, paths[-1])
+    report = workdir / "compare.json"
+    launch_checked(load_cluster(cluster_path),
+                   ["-m", "runtime.compare", "--plans", *paths, "--names", *made, "--warmup", "2",
+                    "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)], "measurement",
+                   timeout_s=1500)
+    return json.loads(report.read_text())
+
+
+def rows(model: str, made: dict, times: dict) -> tuple[list[list[str]], dict]:
+    base = {k: times[k]["median_s"] for k in ("spmd", "dp_cp") if k in times}
+    out, entries = [], {}
+    for name in made:
+        t, p = times[name]["median_s"], predicted(made[name])
+        entries[name] = {"measured_s": t, "predicted_s": p, "error": p / t - 1,
+                         "phases_by_rank": times[name]["phases_by_rank"], "step_seconds": times[name]["step_seconds"]}
+        out.append([model, name, f"{t:.3f}", f"{p:.3f}", f"{p / t - 1:+.1%}",
+                    *(f"{base[k] / t:.2f}x" if k in base else "-" for k in ("spmd", "dp_cp"))])
+    return out, entries
+
+
+def result(facts: dict, entries: dict) -> dict:
+    chosen = f"pipeline_{facts.get('chosen_schedule', 'eager_1f1b')}"
+    r = {"cluster": CLUSTER.stem, "stages": facts["stages"], "plans": entries, **facts}
+    r |= {f"{k}_s": v["measured_s"] for k, v in entries.items() if k in ("spmd", "dp_cp")}
+    r |= {f"{k}_s": v["measured_s"] for k, v in entries.items() if k.startswith("pipeline_")}
+    if chosen in entries:
+        r |= {"pipeline_s": entries[chosen]["measured_s"], "predicted_s": entries[chosen]["predicted_s"]}
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reprofile", action="store_true")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--only", nargs="+", choices=("main", "eager", "local"), default=["main", "eager", "local"])
+    args = parser.parse_args()
+    spec = profile(args.reprofile)
+    results: dict = {"models": {}}
+    table = []
+    for name, ref, make in (("main", MAIN, main_plans), ("eager", EAGER, eager_plans)):
+        if name not in args.only:
+            continue
+        made, facts = make(spec)
+        print(f"{name}: {ref}: {facts['stages']}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            times = measure(spec, made, Path(tmp), args.rounds, args.steps)
+        got, entries = rows(name, made, times)
+        table += got
+        results["models"][f"{name}: {ref}"] = result(facts, entries)
+        for r in got:
+            print(r, flush=True)
+    if "local" in args.only:
+        results["local_emulated"] = local_check()
+        print("local-emulated:", results["local_emulated"], flush=True)
+    print_tables(table, ["scenario", "plan", "measured s", "predicted s", "error", "best SPMD / it", "DP-CP / it"])
+    write_json("pipeline.json", results)
+
+
+if __name__ == "__main__":
+    main()
