@@ -7,12 +7,12 @@ A stage's phases come from its SPMD plan's own cost terms at that micro-batch si
     F_s(b) = sum_i f_i(b)         the forward halves of the stage program at size b
     B_s(b) = sum_i beta_i(b)      its backward halves (the gradient all-reduces excluded)
     U_s    = sum_p u_p            its parameter updates, once per step
-    Y_s    = sum_p AR_ring(bytes_p, axis_p)
+    Y_s    = sum_a AR_ring(sum_{p synchronised over axis a} bytes_p, a)
 
 Y_s is the in-stage gradient synchronisation as runtime.pipeline runs it: after the last
-backward, one synchronous all-reduce (gloo's, the `ring` variant of the cost model) per
-replicated parameter, on the axis its plan synchronises it over; not the SPMD plan's buckets
-overlapped with the backward. A parameter that several stages hold (GPT's tied embedding) is
+backward, one synchronous all-reduce (gloo's, the `ring` variant of the cost model) per axis,
+of all the replicated gradients the plan synchronises over that axis, coalesced; not the SPMD
+plan's buckets overlapped with the backward. A parameter that several stages hold (GPT's tied embedding) is
 then summed over all their ranks at its whole size (`shared_s`), and the clipping norm and the
 loss take one world all-reduce of 16 bytes (`global_s`).
 
@@ -66,13 +66,13 @@ def stage_phases(plan: Plan) -> StagePhases:
 
 
 def _sync_s(pb: Problem, plan: Plan) -> float:
-    """Y_s: one ring all-reduce per synchronised parameter gradient, one after the other."""
-    total = 0.0
-    even = (1.0 / pb.width,) * pb.width
+    """Y_s: one ring all-reduce per axis of all the gradients synchronised over it."""
+    nbytes: dict[str, float] = {}
     for ins in plan.instructions:
         if ins.kind == "all_reduce" and ins.phase == "backward" and pb.comm.group_size(ins.axis) > 1:
-            total += pb.comm.cost("all_reduce", "ring", float(pb.meta(ins.tensor).nbytes), ins.axis).at(even)
-    return total
+            nbytes[ins.axis] = nbytes.get(ins.axis, 0.0) + pb.meta(ins.tensor).nbytes
+    even = (1.0 / pb.width,) * pb.width
+    return sum(pb.comm.cost("all_reduce", "ring", n, axis).at(even) for axis, n in nbytes.items())
 
 
 def all_reduce_s(cluster: ClusterSpec, ranks: range, nbytes: float) -> float:

@@ -36,15 +36,16 @@ def test_single_device_phases_add_up_to_its_step():
     assert ph.forward_s + ph.backward_s + ph.update_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
-def test_stage_phases_charge_the_in_stage_sync_per_parameter(pipeline):
+def test_stage_phases_charge_one_coalesced_sync_per_axis(pipeline):
+    from planner.stage_times import all_reduce_s
+
     p = pipeline.pipeline
     for st in p.stages:
         plan = st.plans[max(st.plans)]
         synced = [i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"]
-        ph = stage_phases(plan)
-        assert synced and ph.sync_s > 0.0
-        # each sync pays at least the intra-node latency: one collective per parameter, not buckets
-        assert ph.sync_s >= len(synced) * LOCAL.links.intra_node_latency_us * 1e-6
+        assert synced and {i.axis for i in synced} == {"all"}  # data parallel inside the node
+        nbytes = sum(plan.graph.node(i.tensor).out.nbytes for i in synced)
+        assert stage_phases(plan).sync_s == pytest.approx(all_reduce_s(LOCAL, st.ranks, nbytes), rel=1e-9)
 
 
 def test_shared_embedding_and_world_scalars_cost_time(pipeline):
