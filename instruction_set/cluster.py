@@ -105,6 +105,9 @@ class Emulation(_Frozen):
     cpu_quota: dict[str, float] = Field(description="CPU share per device kind, e.g. 0.5")
     period_us: int = Field(default=10_000, ge=1000, le=1_000_000)
     shape_links: bool = True
+    burst_kib: int = Field(default=256, ge=2, le=65536, description="the tbf bucket of every shaped link: a "
+                           "message of up to this size leaves at once when the link has been idle, so keep it "
+                           "well under the messages timed on slow links")
 
     @model_validator(mode="after")
     def _quotas_positive(self) -> "Emulation":

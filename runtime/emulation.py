@@ -5,7 +5,9 @@ From a cluster spec with an `emulation` section:
 - every node is a network namespace `<run>n<i>` with an interface `eth0` (10.77.0.<i+1>/24)
   plugged into a bridge in a switch namespace `<run>sw` by a veth pair; both ends of every
   veth are shaped with tbf to the node's NIC speed (the spec's inter-node bandwidth):
-  `tc qdisc add dev <veth> root tbf rate <R>mbit burst 256kb latency 20ms`. Ranks of one node
+  `tc qdisc add dev <veth> root tbf rate <R>mbit burst <B>kb latency 20ms`, B the spec's
+  `burst_kib` (256 unless set: at 50 Mbit/s a 256 KiB bucket lets a 128 KiB message through
+  in no time after an idle spell, where a link would take 21 ms). Ranks of one node
   share its namespace and talk over loopback (intra-node);
 - every device is a cgroup v1 CPU group `/sys/fs/cgroup/cpu/<run>/r<rank>` with
   `cpu.cfs_period_us` = the spec's period (10 ms: much shorter than a step, so quotas act
@@ -164,7 +166,7 @@ class Emulation:
             rate = f"{self.nic_mbit(i):.3f}mbit"
             for where, dev in ((ns, IFACE), (self.switch, b)):
                 sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", rate, "burst", "256kb", "latency", "20ms")
+                   "rate", rate, "burst", f"{self.spec.emulation.burst_kib}kb", "latency", "20ms")
 
     def _cgroups(self) -> None:
         assert self.spec.emulation is not None
