@@ -106,15 +106,19 @@ def main_plans(cluster_path: Path) -> tuple[dict, dict]:
 def eager_plans(cluster_path: Path) -> tuple[dict, dict]:
     import hetsynth
     from instruction_set.models import parse_model_ref
+    from planner import baselines
     from planner.pipeline import plan_stages
     from planner.planner import make_plan
 
     cluster = hetsynth.load_cluster(str(cluster_path))
     graph, measure = _measured_graph(EAGER, cluster)
     spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
+    dp_cp = make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
+                      progress=False, with_baselines=False)
     staged = plan_stages(spmd, parse_model_ref(EAGER), 2, num_micro=16, measure=measure)
-    made = {"spmd": spmd, **_schedules(staged)}
-    return made, {"stages": describe(staged), "transfer_vs_compute": transfer_ratios(staged)}
+    made = {"spmd": spmd, "dp_cp": dp_cp, **_schedules(staged)}
+    return made, {"stages": describe(staged), "transfer_vs_compute": transfer_ratios(staged),
+                  "chosen_shape": str(staged.shape), "chosen_schedule": str(staged.pipeline.schedule)}
 
 
 def describe(plan) -> str:
