@@ -118,19 +118,15 @@ def nics(boundary: Boundary, b: int, hosts: Sequence[int], direction: str) -> fr
 
 def transfer_cpu_s(stage: PipelineStage, boundary: Boundary, b: int, transfer_s: float) -> float:
     """What one transfer at size b costs the busiest worker of `stage` at one of its ends:
-    gamma_k * seconds + m_k * slices (module docstring)."""
+    max over its ranks r of gamma_k(r) * seconds + m_k(r) * (slices r sends or receives)."""
     plan = stage.plans[b]
-    mine = set(stage.ranks)
-    per_rank = {r: 0 for r in mine}
-    for chain in boundary.reshard[b].chains:
-        for r in chain.members:
-            if r in mine:
-                per_rank[r] += 1
-    kinds = plan.cluster.device_kinds
-    devices = plan.cluster.devices
-    return max((kinds[devices[r - stage.first_rank].kind].transfer_cpu_share * transfer_s
-                + kinds[devices[r - stage.first_rank].kind].transfer_cpu_us_per_message * 1e-6 * n)
-               for r, n in per_rank.items() if n) if any(per_rank.values()) else 0.0
+    slices = {r: sum(r in c.members for c in boundary.reshard[b].chains) for r in stage.ranks}
+    costs = []
+    for r, n in slices.items():
+        kind = plan.cluster.device_kinds[plan.cluster.devices[r - stage.first_rank].kind]
+        if n:
+            costs.append(kind.transfer_cpu_share * transfer_s + kind.transfer_cpu_us_per_message * 1e-6 * n)
+    return max(costs, default=0.0)
 
 
 def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
