@@ -99,7 +99,7 @@ def main_plans(cluster_path: Path) -> tuple[dict, dict]:
         raise SystemExit("error: --stages auto found no pipeline for the main scenario (see the log)")
     made = {"spmd": spmd, "dp_cp": dp_cp, **_schedules(chosen)}
     facts = {"chosen_shape": str(chosen.shape), "chosen_schedule": str(chosen.pipeline.schedule),
-             "stages": describe(chosen)}
+             "stages": describe(chosen), "transfer_vs_compute": transfer_ratios(chosen)}
     return made, facts
 
 
