@@ -81,44 +81,45 @@ def _schedules(pipeline_plan) -> dict:
             for s in SCHEDULES}
 
 
-def main_plans(cluster_path: Path) -> tuple[dict, dict]:
-    """name -> Plan: spmd, dp_cp and the auto pipeline under each schedule; and facts."""
+def _baselines(ref: str, cluster_path: Path) -> tuple[dict, object]:
+    """{"spmd": the best SPMD plan, "dp_cp": DP-CP} of `ref`, and its micro-batch timer."""
     import hetsynth
-    from instruction_set.models import parse_model_ref
     from planner import baselines
-    from planner.pipeline import auto_stages
     from planner.planner import make_plan
 
     cluster = hetsynth.load_cluster(str(cluster_path))
-    graph, measure = _measured_graph(MAIN, cluster)
-    spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
-    dp_cp = make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
-                      progress=False, with_baselines=False)
-    chosen = auto_stages(spmd, parse_model_ref(MAIN), measure=measure)
+    graph, measure = _measured_graph(ref, cluster)
+    made = {"spmd": make_plan(graph, cluster, progress=False, with_baselines=False),
+            "dp_cp": make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
+                               progress=False, with_baselines=False)}
+    return made, measure
+
+
+def _facts(plan) -> dict:
+    return {"chosen_shape": str(plan.shape), "chosen_schedule": str(plan.pipeline.schedule),
+            "stages": describe(plan), "transfer_vs_compute": transfer_ratios(plan)}
+
+
+def main_plans(cluster_path: Path) -> tuple[dict, dict]:
+    """name -> Plan: spmd, dp_cp and the auto pipeline under each schedule; and facts."""
+    from instruction_set.models import parse_model_ref
+    from planner.pipeline import auto_stages
+
+    made, measure = _baselines(MAIN, cluster_path)
+    chosen = auto_stages(made["spmd"], parse_model_ref(MAIN), measure=measure)
     if chosen.pipeline is None:
         raise SystemExit("error: --stages auto found no pipeline for the main scenario (see the log)")
-    made = {"spmd": spmd, "dp_cp": dp_cp, **_schedules(chosen)}
-    facts = {"chosen_shape": str(chosen.shape), "chosen_schedule": str(chosen.pipeline.schedule),
-             "stages": describe(chosen), "transfer_vs_compute": transfer_ratios(chosen)}
-    return made, facts
+    return made | _schedules(chosen), _facts(chosen)
 
 
 def eager_plans(cluster_path: Path) -> tuple[dict, dict]:
-    import hetsynth
+    """The same for the eager scenario's 2 stages of 16 micro-batches (`--stages 2`)."""
     from instruction_set.models import parse_model_ref
-    from planner import baselines
     from planner.pipeline import plan_stages
-    from planner.planner import make_plan
 
-    cluster = hetsynth.load_cluster(str(cluster_path))
-    graph, measure = _measured_graph(EAGER, cluster)
-    spmd = make_plan(graph, cluster, progress=False, with_baselines=False)
-    dp_cp = make_plan(graph, cluster, ratios=baselines.proportional(cluster), restrictions=baselines.DP,
-                      progress=False, with_baselines=False)
-    staged = plan_stages(spmd, parse_model_ref(EAGER), 2, num_micro=16, measure=measure)
-    made = {"spmd": spmd, "dp_cp": dp_cp, **_schedules(staged)}
-    return made, {"stages": describe(staged), "transfer_vs_compute": transfer_ratios(staged),
-                  "chosen_shape": str(staged.shape), "chosen_schedule": str(staged.pipeline.schedule)}
+    made, measure = _baselines(EAGER, cluster_path)
+    staged = plan_stages(made["spmd"], parse_model_ref(EAGER), 2, num_micro=16, measure=measure)
+    return made | _schedules(staged), _facts(staged)
 
 
 def describe(plan) -> str:
