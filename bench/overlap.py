@@ -32,7 +32,8 @@ def environment(name: str, workdir: Path) -> Path:
     """The spec of an environment (module docstring), written to workdir."""
     from instruction_set.cluster import dump_cluster_toml, load_cluster
 
-    raw = load_cluster(BASE).model_dump(mode="json", exclude_none=True)
+    base = load_cluster(BASE)
+    raw = base.model_dump(mode="json", exclude_none=True)
     if name == "inside":
         raw["devices"] = [{"name": "fast/0", "kind": "cpu-fast"}, {"name": "fast/1", "kind": "cpu-fast"}]
         raw["nodes"] = [{"name": "fast", "devices": ["fast/0", "fast/1"]}]
@@ -40,7 +41,7 @@ def environment(name: str, workdir: Path) -> Path:
         raw["devices"] = [{"name": "a/0", "kind": "cpu-fast"}, {"name": "b/0", "kind": "cpu-fast"}]
         raw["nodes"] = [{"name": "a", "devices": ["a/0"]}, {"name": "b", "devices": ["b/0"]}]
     raw["name"] = f"overlap-{name}"
-    spec = type(load_cluster(BASE)).model_validate(raw)
+    spec = type(base).model_validate(raw)
     path = workdir / f"{name}.toml"
     path.write_text(dump_cluster_toml(spec))
     return path

@@ -118,7 +118,7 @@ def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) 
     schedule = Schedule(args.schedule) if args.schedule else None
     spec = parse_model_ref(plan.model.ref)
     measure = None
-    if getattr(args, "measure_ops", False):  # each micro-batch size's ops timed too (planner.microbatch)
+    if args.measure_ops:  # each micro-batch size's ops timed too (planner.microbatch)
         from profiling.measured import measure_at
 
         measure = measure_at(plan.model.ref, plan.graph)

@@ -29,9 +29,7 @@ The cap is a plan decision: the planner picks the one the cost model predicts fa
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
-
-from typing import NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -129,11 +127,10 @@ def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards
         lanes.setdefault((ins.axis, ins.variant), []).append((pos, ins, local_nbytes(graph, shards, ins.tensor, ins.layout)))
     done = [g for lane in lanes.values() for g in _lane_buckets(lane, cap_bytes, first_cap_bytes, last_cap_bytes)]
     done.sort(key=lambda g: g[-1][0])  # by readiness: the position of the last member
-    done = [[(i, s) for _, i, s in g] for g in done]
-    return tuple(GradBucket(index=b, axis=g[0][0].axis, variant=g[0][0].variant,
-                            params=tuple(i.tensor for i, _ in g),
-                            ready_after=min((uses[i.tensor] for i, _ in g))[1],
-                            nbytes=sum(s for _, s in g)) for b, g in enumerate(done))
+    return tuple(GradBucket(index=b, axis=g[0][1].axis, variant=g[0][1].variant,
+                            params=tuple(i.tensor for _, i, _ in g),
+                            ready_after=min((uses[i.tensor] for _, i, _ in g))[1],
+                            nbytes=sum(s for _, _, s in g)) for b, g in enumerate(done))
 
 
 def _lane_buckets(lane: list, cap: int, first_cap: int | None, last_cap: int | None) -> list[list]:
@@ -152,6 +149,7 @@ def _lane_buckets(lane: list, cap: int, first_cap: int | None, last_cap: int | N
             out.append([])
         out[-1].append(member)
     return out + ([lane[cut:]] if cut < len(lane) else [])
+
 
 def check_buckets(sync: GradientSync, program: Sequence[Instruction]) -> None:
     """Every backward all-reduce of the program in exactly one bucket, and nothing else."""

@@ -139,10 +139,10 @@ def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
     for bd in boundaries:
         for m, b in enumerate(sizes):
             t = bd.reshard[b].predicted_s
-            fwd[bd.src_stage][m] += transfer_cpu_s(stages[bd.src_stage], bd, b, t)
-            fwd[bd.dst_stage][m] += transfer_cpu_s(stages[bd.dst_stage], bd, b, t)
-            bwd[bd.dst_stage][m] += transfer_cpu_s(stages[bd.dst_stage], bd, b, t)
-            bwd[bd.src_stage][m] += transfer_cpu_s(stages[bd.src_stage], bd, b, t)
+            for s in (bd.src_stage, bd.dst_stage):  # each end pays it forward and backward
+                cpu = transfer_cpu_s(stages[s], bd, b, t)
+                fwd[s][m] += cpu
+                bwd[s][m] += cpu
     big = max(sizes)
     return [StageTimes(tuple(fwd[s]), tuple(bwd[s]), sync_s=phases[s][big].sync_s, update_s=phases[s][big].update_s)
             for s in range(len(stages))]

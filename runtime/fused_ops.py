@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from instruction_set.program import FUSED_MATMULS
 from runtime.collectives import fused as K
 from runtime.collectives.span import Span, from_front, to_front
 
@@ -117,7 +118,7 @@ class FusedLinear(nn.Module):
 
     def __init__(self, kind: str, span: Span, variant: str) -> None:
         super().__init__()
-        assert kind in ("ag_matmul", "matmul_rs"), kind
+        assert kind in FUSED_MATMULS, kind
         self.kind, self.span, self.variant = kind, span, variant
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Any:

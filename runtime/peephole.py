@@ -60,7 +60,7 @@ def _cross_entropy_chain(d: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] |
     if not (_is(lse, aten.log.default) and (_is(tl, aten.squeeze.dims, (1,)) or _is(tl, aten.squeeze.dim, 1))):
         return None
     total, picked = lse.args[0], tl.args[0]
-    if not (_is(total, aten.sum.dim_IntList, (1,)) and _is(picked, aten.gather.default, 1, picked.args[2])):
+    if not (_is(total, aten.sum.dim_IntList, (1,)) and _calls(picked, aten.gather.default, 3) and picked.args[1] == 1):
         return None
     exp, z, index = total.args[0], picked.args[0], picked.args[2]
     if not (_is(exp, aten.exp.default) and exp.args[0] is z and _calls(z, aten.sub.Tensor, 2) and

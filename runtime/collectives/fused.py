@@ -35,7 +35,7 @@ point-to-point work can hang). Written by us: torch's async TP (torch.distribute
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -168,7 +168,3 @@ def matmul_rs_sliced(span: Span, part_rows: Callable[[int, int, int], torch.Tens
         return part_rows(span.index, 0, 0)
     return torch.cat(outs)
 
-
-def chunk_rows(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """x's rows split by member (views)."""
-    return list(x.split(list(lengths)))
