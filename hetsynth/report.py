@@ -7,7 +7,7 @@ from typing import Any
 
 from instruction_set.blocks import recompute_units, recomputed_units
 from instruction_set.cluster import ClusterSpec
-from instruction_set.layouts import R
+from instruction_set.layouts import R, S
 from instruction_set.plan import Plan
 from instruction_set.sync import ONE_BUCKET
 
@@ -133,7 +133,18 @@ def _memory_line(plan: Plan) -> str:
     units = recomputed_units(plan.instructions)
     found = len(recompute_units(plan.graph, plan.instructions)) if units else 0
     used = f"recomputes {len(units)} of {found} blocks ({units[0].name} ...)" if units else "no recomputation"
-    return f"memory       on {d.name}: {split}; {used}; {_zero_text(plan)}"
+    return f"memory       on {d.name}: {split}; {used}; {_zero_text(plan)}{_sequence_parallel_text(plan)}"
+
+
+NORMS = ("aten.layer_norm.default", "aten.rms_norm.default")
+
+
+def _sequence_parallel_text(plan: Plan) -> str:
+    """Sequence-parallel activations: how many of the layer norms over [B, T, H] activations
+    the plan computes on token-split layouts S(1) (Megatron-SP), if any."""
+    norms = {n.name for n in plan.graph.calls if n.target in NORMS and len(n.out.shape) >= 3}
+    split = {i.node for i in plan.instructions if i.kind == "compute" and i.node in norms and i.layout is S(1)}
+    return f"; sequence-parallel activations ({len(split)} of {len(norms)} layer norms token-split)" if split else ""
 
 
 def _zero_text(plan: Plan) -> str:
