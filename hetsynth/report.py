@@ -31,7 +31,7 @@ def graph_summary_text(summary: dict[str, Any]) -> str:
     ops = summary["op_counts"]
     lines = [
         f"model        {summary['model']}  (graph {summary['fingerprint']})",
-        f"inputs       " + ", ".join(f"{k}{v}" for k, v in summary["inputs"].items()),
+        "inputs       " + ", ".join(f"{k}{v}" for k, v in summary["inputs"].items()),
         f"parameters   {summary['num_params']:,} in {summary['param_tensors']} tensors",
         f"FLOPs/step   {si(summary['flops_total'], 'FLOP')} "
         f"(forward {si(summary['flops_forward'])}, backward {si(summary['flops_backward'])})",
