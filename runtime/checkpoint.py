@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from instruction_set.models import ModelSpec
 from instruction_set.plan import Plan
 from runtime.codegen import local_slice
 from runtime.config import TrainConfig
@@ -95,11 +96,15 @@ def save_checkpoint(trainer: Trainer, path: str | Path, step: int) -> None:
 
 
 def _model_state_dict(trainer: Trainer, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return model_state_dict(trainer.spec, params, model_buffers(trainer))
+
+
+def model_state_dict(spec: ModelSpec, params: dict[str, torch.Tensor],
+                     buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The plain model's state_dict keys, filled with the trained parameters (tied aliases
-    get the same tensor) and the model's buffers."""
-    module = trainer.spec.build("meta")
+    get the same tensor) and the model's whole buffers."""
+    module = spec.build("meta")
     named = list(module.named_parameters(remove_duplicate=False))
-    buffers = model_buffers(trainer)
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.nn.Parameter):

@@ -45,12 +45,13 @@ from typing import Iterator
 import torch
 
 from instruction_set.cluster import ClusterSpec
-from instruction_set.plan import Plan, save_plan
+from instruction_set.plan import Plan, PlanShape, save_plan
 from runtime import emulation, heartbeat, runstate
 from runtime.check import Comparison, compare, dtype_tolerances
 from runtime.checkpoint import check_resume, read_checkpoint
 from runtime.config import TrainConfig
 from runtime.outputs import check_outputs
+from runtime.pipeline.run import check_pipeline_args
 from runtime.runstate import RunRecord
 from runtime.train import plan_reference
 
@@ -92,6 +93,8 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
     if opts.memory_report and opts.steps < 2:
         raise ValueError(f"--memory-report with --steps {opts.steps}: the second step is measured (the first "
                          f"creates the optimizer state); give --steps 2 or more")
+    if plan.shape is PlanShape.PIPELINE:
+        check_pipeline_args(opts)
     check_outputs({"--save": opts.save, "--report": opts.report})
     if opts.resume:
         check_resume(read_checkpoint(opts.resume), opts.resume, plan, opts.train, opts.steps)

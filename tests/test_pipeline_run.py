@@ -1,5 +1,5 @@
 """A pipeline plan under the CLI: `hetsynth run --check` matches single-device training in
-float64, a killed rank of the second stage stops the run with that rank named, `hetsynth explain
+float64 and its `--save` checkpoint resumes under an SPMD plan, a killed rank of the second stage stops the run with that rank named, `hetsynth explain
 --rank` shows the stage and its action list; and on the shipped local-emulated cluster, where
 SPMD is predicted faster, `plan_stages` keeps the SPMD shape. Two ranks on one node, no
 emulation (torchrun on this machine)."""
@@ -34,6 +34,7 @@ def plan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
                               num_micro=3, width=8)
     path = tmp_path_factory.mktemp("pipeline") / "plan.json"
     save_plan(plan, path)
+    save_plan(spmd, path.with_name("spmd.json"))
     return str(path)
 
 
@@ -43,10 +44,17 @@ def hetsynth(*args: str, env: dict | None = None, timeout: float = 200) -> subpr
 
 
 @pytest.mark.timeout(300)
-def test_run_check_matches_single_device(plan_path: str) -> None:
-    out = hetsynth("run", plan_path, "--steps", "2", "--check")
+def test_run_check_matches_single_device_and_resumes_under_spmd(plan_path: str) -> None:
+    """The pipeline's checkpoint (`--save`) resumes under an SPMD plan of the same devices, and
+    the resumed run matches single-device training resumed from it."""
+    ckpt = str(Path(plan_path).with_name("ckpt.pt"))
+    out = hetsynth("run", plan_path, "--steps", "2", "--check", "--save", ckpt)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "check: float64" in out.stdout and "OK" in out.stdout, out.stdout[-2000:]
+    spmd = str(Path(plan_path).with_name("spmd.json"))
+    out = hetsynth("run", spmd, "--steps", "3", "--check", "--resume", ckpt)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stderr + out.stdout and "OK" in out.stdout, out.stdout[-2000:]
 
 
 @pytest.mark.timeout(200)
@@ -68,3 +76,9 @@ def test_spmd_stays_where_it_is_faster() -> None:
     plan = plan_stages(spmd, parse_model_ref("gpt:tiny"), 2, width=8)
     assert plan.pipeline is not None and plan.shape is PlanShape.SPMD
     assert plan.pipeline.predicted.step_time_s >= spmd.predicted.step_time_s * 0.98
+
+
+def test_options_pipelines_lack_are_refused_before_any_rank_starts(plan_path: str) -> None:
+    out = hetsynth("run", plan_path, "--steps", "2", "--memory-report")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("error: --memory-report: not available for pipeline plans yet"), out.stderr[-2000:]
