@@ -14,6 +14,9 @@ the file names no external URL (no scripts, images, fonts or links). Sections:
 7. with a measured trace: predicted against measured step, and the ten instructions whose
    prediction and measurement differ most (hetsynth.measured.comparison).
 
+A pipeline plan's page has the cluster and, instead of 2-7, hetsynth.report_pipeline's
+stages, boundaries and predicted timeline.
+
 We write the HTML ourselves: it is a few tables and rectangles, and a templating or plotting
 library would add a dependency (and most of them load scripts from the network).
 """
@@ -25,29 +28,16 @@ from typing import Any
 
 from hetsynth.report import cluster_summary, instruction_mix, si
 from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, PHASES, WAIT, predicted_trace
-from instruction_set.plan import Plan
+from hetsynth.html_parts import LABEL, ROW, STYLE, WIDTH, table
+from hetsynth.report_pipeline import pipeline_section
+from instruction_set.plan import Plan, PlanShape
 
 COLOURS = {COMPUTE: "#3b7dd8", COMMUNICATION: "#e8862a", WAIT: "#cfcfcf", GRADIENT_SYNC: "#2a9d6f"}
-WIDTH, ROW, LABEL = 1100, 18, 170
 MAX_ROWS = 16  # devices drawn in a timeline
-STYLE = """
-body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
-h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:8px 0;font-size:13px}
-td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}
-th{background:#f3f3f3}.note{color:#666;font-size:12px}.bad{color:#b00}
-svg text{font-size:11px;font-family:system-ui,sans-serif}
-"""
 
 
 def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.3f} ms"
-
-
-def table(header: list[str], rows: list[list[Any]], cls: str = "") -> str:
-    head = "".join(f"<th>{escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
 
 
 def cluster_section(plan: Plan) -> str:
@@ -258,6 +248,8 @@ def difference_section(result: dict[str, Any]) -> str:
 def report_html(plan: Plan, measured: dict[str, Any] | None = None, comparison: dict[str, Any] | None = None) -> str:
     """The page (module docstring); `measured` is a measured trace of this plan and
     `comparison` its hetsynth.measured.comparison."""
+    if plan.shape is PlanShape.PIPELINE:
+        return _page(plan, [_pipeline_head(plan), cluster_section(plan), pipeline_section(plan)])
     p = plan.predicted
     head = (f"<h1>hetsynth plan: {escape(plan.model.ref)} on {escape(plan.cluster.name)}</h1>"
             f"<p>{plan.model.num_params:,} parameters, batch {plan.model.batch_size}; predicted "
@@ -267,5 +259,20 @@ def report_html(plan: Plan, measured: dict[str, Any] | None = None, comparison: 
             mix_section(plan), timeline_section(plan, measured)]
     if comparison:
         body.append(difference_section(comparison))
+    return _page(plan, body)
+
+
+def _pipeline_head(plan: Plan) -> str:
+    """The page's title for a pipeline plan, with the SPMD plan it was preferred to."""
+    assert plan.pipeline is not None
+    spmd = plan.predicted
+    return (f"<h1>hetsynth plan: {escape(plan.model.ref)} on {escape(plan.cluster.name)}</h1>"
+            f"<p>{plan.model.num_params:,} parameters, batch {plan.model.batch_size}; a pipeline of "
+            f"{len(plan.pipeline.stages)} stages, predicted {_ms(plan.pipeline.predicted.step_time_s)} per step; the "
+            f"best SPMD plan on the whole cluster: {_ms(spmd.step_time_s)}"
+            + ("" if spmd.fits else " (does not fit in memory)") + "</p>")
+
+
+def _page(plan: Plan, body: list[str]) -> str:
     return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>hetsynth report: "
             f"{escape(plan.model.ref)}</title><style>{STYLE}</style></head><body>{''.join(body)}</body></html>")

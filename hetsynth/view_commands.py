@@ -21,15 +21,29 @@ def trace_args(p: argparse.ArgumentParser) -> None:
 
 def trace_run(args: argparse.Namespace) -> int:
     from hetsynth.trace import predicted_trace
-    from instruction_set.plan import load_plan
+    from instruction_set.plan import PlanShape, load_plan
 
     output = check_outputs({"-o": args.output})["-o"]
     plan = load_plan(args.plan)
+    if plan.shape is PlanShape.PIPELINE:
+        return _pipeline_trace_run(plan, output)
     trace = predicted_trace(plan)
     output.write_text(json.dumps(trace))
     slices = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     print(f"wrote {args.output}: {slices} slices on {plan.cluster.num_devices} devices, predicted step "
           f"{plan.predicted.step_time_s * 1e3:.3f} ms (open it in Perfetto or chrome://tracing)")
+    return 0
+
+
+def _pipeline_trace_run(plan, output: Path) -> int:
+    from hetsynth.report_pipeline import pipeline_trace
+
+    trace = pipeline_trace(plan)
+    output.write_text(json.dumps(trace))
+    slices = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
+    print(f"wrote {output}: {slices} slices on {len(plan.pipeline.stages)} stages, predicted step "
+          f"{plan.pipeline.predicted.step_time_s * 1e3:.3f} ms ({plan.pipeline.schedule.value}; open it in Perfetto "
+          f"or chrome://tracing)")
     return 0
 
 
@@ -43,10 +57,13 @@ def report_args(p: argparse.ArgumentParser) -> None:
 def report_run(args: argparse.Namespace) -> int:
     from hetsynth.measured import comparison, load_measured
     from hetsynth.report_html import report_html
-    from instruction_set.plan import load_plan
+    from instruction_set.plan import PlanShape, load_plan
 
     output = check_outputs({"-o": args.output})["-o"]
     plan = load_plan(args.plan)
+    if args.measured and plan.shape is PlanShape.PIPELINE:
+        raise ValueError(f"--measured {args.measured}: pipeline plans have no measured traces yet (`run --trace` "
+                         f"refuses them); report the plan without --measured")
     measured = load_measured(args.measured, plan) if args.measured else None
     page = report_html(plan, measured, comparison(plan, measured) if measured else None)
     output.write_text(page)

@@ -13,6 +13,8 @@
   from the whole batch; `coupled`: why the graph is pipelined with one micro-batch, if it is.
 - `actions[s]`: stage s's action list (instruction_set.schedule), checked by the dry run when
   the plan is made and when it is read.
+- `predicted`: the step time under the chosen schedule and the others, and the chosen one's
+  simulated timeline (what `hetsynth report` draws).
 """
 
 from __future__ import annotations
@@ -52,10 +54,23 @@ class Boundary(_Frozen):
     reshard: dict[int, ReshardPlan]        # per micro-batch size
 
 
+class PredictedEvent(_Frozen):
+    """One interval of the simulated step (cost_models.schedule): stage `stage` runs F or B of
+    `micro_batch`, or its in-stage gradient sync (SYNC, micro_batch -1); or stage `stage` sends
+    boundary `boundary`'s activation (XFER_F) or gradient (XFER_B) of `micro_batch`."""
+    stage: int
+    kind: str
+    micro_batch: int
+    start_s: float
+    end_s: float
+    boundary: int | None = None
+
+
 class PipelinePrediction(_Frozen):
     step_time_s: float
     schedules: dict[str, float]            # every schedule's predicted step time, same stages and M
     bubble_s: float                        # idle time of the busiest stage
+    timeline: tuple[PredictedEvent, ...] = ()  # the chosen schedule's simulated step
 
 
 class Pipeline(_Frozen):

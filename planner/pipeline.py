@@ -26,7 +26,7 @@ from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import P, R, Layout
 from instruction_set.mesh import Mesh
 from instruction_set.models import ModelSpec
-from instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage
+from instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage, PredictedEvent
 from instruction_set.plan import Plan, PlanShape
 from instruction_set.program import FUSED_MATMULS
 from instruction_set.reshard_sides import Placed, reshard_spec
@@ -130,7 +130,15 @@ def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], c
 
 def predict(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
             schedule: Schedule, cluster: ClusterSpec) -> tuple[float, float]:
-    """Predicted step time and the busiest stage's idle time under `schedule`: the simulation
+    """Predicted step time and the busiest stage's idle time under `schedule` (`prediction`)."""
+    found = prediction(stages, boundaries, sizes, schedule, cluster)
+    return found.step_time_s, found.bubble_s
+
+
+def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
+               schedule: Schedule, cluster: ClusterSpec,
+               others: dict[str, float] | None = None) -> PipelinePrediction:
+    """The step time, the busiest stage's idle time and the timeline under `schedule`: the simulation
     (cost_models.schedule) of the stages' per-micro-batch phases and the boundary transfers on
     their NICs (planner.stage_times)."""
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
@@ -142,7 +150,11 @@ def predict(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], siz
                                  global_s=stage_times.global_s(cluster), shared_s=stage_times.shared_s(stages, cluster),
                                  resources=nics)
     busiest = max(range(len(stages)), key=timeline.busy_s)
-    return timeline.step_time_s, timeline.step_time_s - timeline.busy_s(busiest)
+    events = tuple(PredictedEvent(stage=e.stage, kind=e.kind, micro_batch=e.micro_batch, start_s=e.start_s,
+                                  end_s=e.end_s, boundary=e.boundary) for e in timeline.events)
+    merged = (others or {}) | {str(schedule): timeline.step_time_s}
+    return PipelinePrediction(step_time_s=timeline.step_time_s, bubble_s=timeline.step_time_s - timeline.busy_s(busiest),
+                              schedules={str(s): merged[str(s)] for s in Schedule if str(s) in merged}, timeline=events)
 
 
 def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice], *, num_micro: int,
@@ -168,12 +180,10 @@ def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     actions = build_actions(schedule, len(sizes), links, len(built))
     check_actions(actions, links, len(sizes))
-    predicted = {str(s): predict(built, boundaries, sizes, s, cluster) for s in Schedule}
+    others = {str(s): predict(built, boundaries, sizes, s, cluster)[0] for s in Schedule if s is not schedule}
     pipeline = Pipeline(stages=tuple(built), boundaries=boundaries, micro_batches=tuple(sizes), schedule=schedule,
                         actions=actions, statistics=found.statistics, coupled=coupled,
-                        predicted=PipelinePrediction(step_time_s=predicted[str(schedule)][0],
-                                                     schedules={k: v[0] for k, v in predicted.items()},
-                                                     bubble_s=predicted[str(schedule)][1]))
+                        predicted=prediction(built, boundaries, sizes, schedule, cluster, others))
     return spmd.model_copy(update={"shape": PlanShape.PIPELINE, "pipeline": pipeline})
 
 
@@ -198,8 +208,7 @@ def with_schedule(plan: Plan, schedule: Schedule) -> Plan:
     if p is None:
         raise ValueError("with_schedule needs a pipeline plan")
     actions = build_actions(schedule, len(p.micro_batches), p.links, len(p.stages))
-    step_s, bubble_s = predict(p.stages, p.boundaries, p.micro_batches, schedule, plan.cluster)
-    predicted = p.predicted.model_copy(update={"step_time_s": step_s, "bubble_s": bubble_s})
+    predicted = prediction(p.stages, p.boundaries, p.micro_batches, schedule, plan.cluster, p.predicted.schedules)
     return plan.model_copy(update={"pipeline": Pipeline.model_validate(
         p.model_copy(update={"schedule": schedule, "actions": actions, "predicted": predicted}).model_dump())})
 

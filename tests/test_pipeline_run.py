@@ -6,6 +6,7 @@ emulation (torchrun on this machine)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,30 @@ def test_options_pipelines_lack_are_refused_before_any_rank_starts(plan_path: st
     out = hetsynth("run", plan_path, "--steps", "2", "--memory-report")
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith("error: --memory-report: not available for pipeline plans yet"), out.stderr[-2000:]
+
+
+def test_report_draws_the_stages_and_the_recorded_timeline(plan_path: str, tmp_path: Path, capsys) -> None:
+    """The plan records the chosen schedule's simulated step (every F and B of every stage and
+    micro-batch, the transfers, ending by the predicted step time); `hetsynth report` draws it
+    with the stages and boundaries, and refuses a measured trace it cannot have; `hetsynth
+    trace` writes it as a Chrome trace."""
+    from hetsynth.cli import main
+    from instruction_set.plan import load_plan
+
+    pipeline = load_plan(plan_path).pipeline
+    events = pipeline.predicted.timeline
+    want = {(s, k, m) for s in range(2) for k in "FB" for m in range(3)}
+    assert {(e.stage, e.kind, e.micro_batch) for e in events if e.kind in "FB"} == want
+    assert {e.kind for e in events} >= {"XFER_F", "XFER_B"}
+    assert max(e.end_s for e in events) <= pipeline.predicted.step_time_s + 1e-12
+    page = tmp_path / "report.html"
+    assert main(["report", plan_path, "-o", str(page)]) == 0
+    html = page.read_text()
+    assert "Pipeline: 2 stages" in html and "Boundaries (cross-mesh resharding)" in html
+    assert html.count("<rect") == len(events) and "http" not in html
+    assert main(["report", plan_path, "--measured", plan_path, "-o", str(page)]) == 2
+    assert "error: --measured" in capsys.readouterr().err
+    trace = tmp_path / "trace.json"
+    assert main(["trace", plan_path, "-o", str(trace)]) == 0  # the same timeline for Perfetto
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == len(events) and {e["pid"] for e in slices} == {0, 1}
