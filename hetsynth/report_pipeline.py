@@ -1,10 +1,12 @@
 """The pipeline part of `hetsynth report` for a plan of shape pipeline: the stages (sub-mesh,
-device kinds, the graph calls and modules each computes, ratios, predicted forward and backward
-per micro-batch, memory), the boundaries and their resharding, the schedule with every
-schedule's predicted step, and the recorded predicted timeline (instruction_set.pipeline
-.PipelinePrediction.timeline) drawn as one row per stage and one per stage's sends; and that
-timeline as a Chrome trace (`hetsynth trace` on a pipeline plan): a process per stage, its
-F/B/gradient sync on the compute lane, its sends on the communication lane."""
+device kinds, the graph calls and modules each computes, ratios, predicted forward and
+backward per micro-batch, memory of the fullest device with the schedule's micro-batches in
+flight: planner.pipeline.stage_memory), the boundaries and their resharding, the schedule
+with every schedule's predicted step, and the recorded predicted timeline
+(instruction_set.pipeline.PipelinePrediction.timeline) drawn as one row per stage and one per
+stage's sends; and that timeline as a Chrome trace (`hetsynth trace` on a pipeline plan): a
+process per stage, its F/B/gradient sync on the compute lane, its sends on the communication
+lane."""
 
 from __future__ import annotations
 
@@ -36,15 +38,16 @@ def _mean(events: list[PredictedEvent], stage: int, kind: str) -> str:
 
 
 def _stage_rows(plan: Plan, pipeline: Pipeline) -> list[list[str]]:
+    from planner.pipeline import stage_memory
+
     events, devices, rows = list(pipeline.predicted.timeline), plan.cluster.devices, []
-    for s in pipeline.stages:
+    for s, (peak, cap, n) in zip(pipeline.stages, stage_memory(plan)):
         splan = s.plans[max(s.plans)]
         kinds = ", ".join(sorted({devices[r].kind for r in s.ranks}))
-        peak = max(splan.predicted.devices, key=lambda d: d.memory_gib)
         rows.append([str(s.index), f"{s.ranks[0]}-{s.ranks[-1]} ({s.num_devices})", kinds,
                      f"{s.calls[0]}-{s.calls[1] - 1}", _modules(plan, s),
                      " / ".join(f"{r:.3f}" for r in splan.sharding_ratios), _mean(events, s.index, "F"),
-                     _mean(events, s.index, "B"), f"{peak.memory_gib:.4g} of {peak.memory_capacity_gib:g} GiB"])
+                     _mean(events, s.index, "B"), f"{peak:.4g} of {cap:g} GiB ({n} micro-batches in flight)"])
     return rows
 
 
