@@ -32,8 +32,14 @@ of the (per group) tensor and s_i device i's share of the split dim within its g
     ring     2 (g-1) alpha + 2 (g-1)/g * D / beta      (Patarasuk & Yuan, 2009)
     hierarchical  (axis all) on N nodes of t devices: reduce-scatter inside each node, t
              concurrent all-reduces of D/t across nodes sharing each NIC, all-gather inside:
-             2 (t-1) alpha_i + 2 (N-1) alpha_e + 2 (t-1)/t D / beta_i + 2 (N-1)/N D / beta_e
-             (BlueConnect, Cho et al., SysML 2019)
+             (t-1) (alpha_rs + D/t / beta_rs) + 2 (N-1) alpha_e + 2 (N-1)/N D / beta_e
+             + (t-1) (alpha_ag + D/t / beta_ag)      (BlueConnect, Cho et al., SysML 2019)
+             Each stage is costed by the fit of the collective the runtime issues for it
+             (runtime.collectives.allreduce: the reduce-scatter as an all-to-all of the t
+             parts, then the padded all-gather, inside; a ring all-reduce across), not by
+             the in-node ring all-reduce's: on local-emulated the all-to-all's fit inside a
+             node is 1.4 ms + D / 0.90 Gbit/s, the padded all-gather's 3.2 ms + D / 1.15,
+             against the ring all-reduce's 2.6 ms + D / 2.2.
   all_to_all S(a) -> S(b), same shares: member i keeps s_i^2 D and sends s_i (1 - s_i) D
              (receives as much); on equal links (g-1) alpha + max_i s_i (1 - s_i) D / beta;
              across nodes a node n with share S_n sends S_n (1 - S_n) D over its NIC:
@@ -65,6 +71,10 @@ from instruction_set.program import GRAD_BUCKET_BYTES
 
 Formula = Callable[["CommModel", str, str, float, str, "tuple[float, ...] | None"], LinearCost]
 FORMULAS: Implementations[Formula] = Implementations("communication cost")
+# the collectives the runtime issues for the hierarchical all-reduce's in-node stages, each
+# moving (t-1)/t of the bytes (runtime.collectives.allreduce: an all-to-all of the parts
+# then a sum, for the reduce-scatter; the padded all-gather)
+HIERARCHICAL_INNER_STAGES = (("all_to_all", "native"), ("all_gather", "padded"))
 
 
 @dataclass(frozen=True)
@@ -279,11 +289,11 @@ class CommModel:
         if axis != "all" or not self.hierarchical:
             return float("inf")
         nodes, t = self.mesh.num_nodes, self.mesh.per_node
-        alpha_i, beta_i = self.alpha_beta("all_reduce", "ring", "inner")
         alpha_e, beta_e = self.alpha_beta("all_reduce", "hierarchical", "outer")
         beta_e *= t  # the t concurrent cross-node all-reduces carry D/t each
-        return (2 * (t - 1) * alpha_i + 2 * (nodes - 1) * alpha_e
-                + 2 * (t - 1) / t * nbytes / beta_i + 2 * (nodes - 1) / nodes * nbytes / beta_e)
+        inside = sum((t - 1) * (alpha + nbytes / t / beta) for alpha, beta in
+                     (self.alpha_beta(kind, variant, "inner") for kind, variant in HIERARCHICAL_INNER_STAGES))
+        return inside + 2 * (nodes - 1) * alpha_e + 2 * (nodes - 1) / nodes * nbytes / beta_e
 
     def gradient_allreduce(self, nbytes: float, axis: str = "all") -> LinearCost:
         """Gradient all-reduce of a replicated parameter, bucketed as in DDP (Li et al., VLDB
