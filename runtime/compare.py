@@ -8,7 +8,8 @@ records every step's wall time; the first rank of each node also reads its node'
 transmit counter (bytes on the inter-node wire, on an emulated cluster) around each plan's
 steps. Rank 0 writes {plan name: {"step_seconds": [...], "median_s": ..., "losses": [global
 loss of every step, warm-up included, in step order], "phases_by_rank": [each rank's median
-seconds per phase: data, forward, backward, gradient_sync, update, loss], "wire_bytes_per_step":
+seconds per phase: data, forward, backward, gradient_sync, update, loss, and when each gradient
+bucket was launched and completed], "wire_bytes_per_step":
 ...}}.
 
 `--traced NAME` also runs, in every round right after plan NAME's steps, as many steps of NAME
@@ -123,8 +124,14 @@ def _steps(entry: Entry, first: int, count: int, phases: list | None = None) -> 
     dist.barrier()
     logs = [entry.step(first + i, inputs) for i, inputs in enumerate(batches)]
     if phases is not None:
-        phases += [log.phases for log in logs]
+        phases += [log.phases | bucket_marks(log) for log in logs]
     return [(log.seconds, log.loss) for log in logs]
+
+
+def bucket_marks(log: StepLog) -> dict[str, float]:
+    """When each gradient bucket was launched and seen complete, in seconds from the start of
+    the step's forward pass ("bucket<i>_launched", "bucket<i>_done")."""
+    return {f"bucket{b.index}_{what}": getattr(b, f"{what}_s") for b in log.buckets for what in ("launched", "done")}
 
 
 def _median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
