@@ -2,7 +2,8 @@
 
     memory_i = state_i + saved_i
     state_i  = sum_params bytes_p * (1 param + 1 grad + 2 Adam moments) * s_p,i
-             (a ZeRO-1 parameter: bytes_p * (2 + 2 q_i), q_i the device's state ratio)
+             (a ZeRO-1 parameter: bytes_p * (2 + 2 q_i), q_i the device's state ratio;
+              ZeRO-2: bytes_p * (1 + 3 q_i), the gradient on the rows too)
     saved_i  = sum_ops sum_{t saved by op} bytes_t * s_t,i     (tensors kept for the backward pass)
 
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
@@ -51,10 +52,13 @@ def param_memory(nbytes: float, sharded: bool, n: int) -> MemoryTerm:
     return MemoryTerm((total,) * n, zeros, "state")
 
 
-def zero1_memory(nbytes: float, n: int) -> MemoryTerm:
-    """A ZeRO-1 parameter: the parameter and its gradient whole, the optimizer's copies
-    (OPTIMIZER_COPIES - 2) on the device's share of the rows (its state ratio)."""
-    return MemoryTerm((2.0 * nbytes,) * n, ((OPTIMIZER_COPIES - 2) * nbytes,) * n, "state")
+def zero_memory(nbytes: float, n: int, stage: int) -> MemoryTerm:
+    """A ZeRO-`stage` parameter: ZeRO-1 keeps the parameter and its gradient whole and the
+    optimizer's copies (OPTIMIZER_COPIES - 2) on the device's share of the rows (its state
+    ratio); ZeRO-2 keeps the gradient on the rows too. (ZeRO-2's transient whole gradients,
+    from the backward that makes one to its bucket's copy-in, are not counted: held state only.)"""
+    whole = {1: 2, 2: 1}[stage]
+    return MemoryTerm((whole * nbytes,) * n, ((OPTIMIZER_COPIES - whole) * nbytes,) * n, "state")
 
 
 def _split(saved: SavedTensor, inputs: Sequence[Layout], output: Layout) -> bool:

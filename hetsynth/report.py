@@ -10,6 +10,7 @@ from instruction_set.cluster import ClusterSpec
 from instruction_set.layouts import R, S
 from instruction_set.plan import Plan
 from instruction_set.sync import ONE_BUCKET
+from instruction_set.training_state import TrainingState
 
 
 def si(value: float, unit: str = "") -> str:
@@ -148,7 +149,8 @@ def _sequence_parallel_text(plan: Plan) -> str:
 
 
 def _zero_text(plan: Plan) -> str:
-    """ZeRO-1's use: how many parameters, and each device kind's share of their optimizer state."""
+    """ZeRO's use: which stage for how many parameters, and each device kind's share of their
+    sharded state."""
     z = plan.state_shards
     if z is None:
         return "optimizer state replicated (no ZeRO)"
@@ -157,7 +159,11 @@ def _zero_text(plan: Plan) -> str:
         kinds[device.kind] = kinds.get(device.kind, 0.0) + q
     counts = {k: sum(1 for d in plan.cluster.devices if d.kind == k) for k in kinds}
     shares = ", ".join(f"{k} {kinds[k] / counts[k]:.3f} each" for k in kinds)
-    return f"ZeRO-1 for {len(z.rows)} parameters (optimizer state rows: {shares}; all-gather {z.variant})"
+    states = [i.state for i in plan.instructions if i.kind == "param" and i.tensor in z.rows]
+    stages = {s: states.count(s) for s in dict.fromkeys(sorted(states))}
+    used = " and ".join(f"ZeRO-{str(s)[-1]} for {n} parameters" for s, n in stages.items())
+    scatter = f"; gradients reduce-scattered {z.scatter_variant}" if TrainingState.ZERO2 in stages else ""
+    return f"{used} (state rows: {shares}; all-gather {z.variant}{scatter})"
 
 
 def _sync_lines(plan: Plan) -> list[str]:

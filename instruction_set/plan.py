@@ -36,7 +36,7 @@ from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientS
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 PLAN_CHANGES: dict[int, str] = {
     1: "the first format",
     2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
@@ -51,6 +51,9 @@ PLAN_CHANGES: dict[int, str] = {
        "the all-gather variant); a version-2 or -3 plan reads as a version-4 one with every state replicated",
     5: "fused collective-matmul instructions ag_matmul and matmul_rs (variants ring, sliced2, sliced4; issue 18); "
        "plans of versions 2 to 4 read unchanged",
+    6: "training state zero2 (ZeRO stage 2: gradients reduce-scattered onto the state rows), a gradient bucket "
+       "has a kind (all_reduce, or reduce_scatter for zero2 parameters) and state_shards a scatter_variant; "
+       "plans of versions 2 to 5 read unchanged",
 }
 
 
@@ -173,7 +176,9 @@ class Plan(_Frozen):
         """The gradient buckets: as recorded, or at the default cap for plans without them."""
         if self.gradient_sync is not None:
             return self.gradient_sync.buckets
-        return assign_buckets(self.graph, self.instructions, self.shards, DEFAULT_BUCKET_CAP_BYTES)
+        scatter = self.state_shards.scatter_variant if self.state_shards is not None else "padded"
+        return assign_buckets(self.graph, self.instructions, self.shards, DEFAULT_BUCKET_CAP_BYTES,
+                              scatter_variant=scatter)
 
     def lengths(self, tensor: str, layout: Layout) -> dict[int, tuple[int, ...]]:
         """{split dim: local length on each rank} of a tensor in a layout."""
@@ -199,7 +204,7 @@ def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
         raw = _from_version_1(raw)
         log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
                     PLAN_CHANGES[2])
-    if raw["version"] in (2, 3, 4):  # version 3 added the pipeline fields, 4 the training state, 5 the fused kinds
+    if raw["version"] in (2, 3, 4, 5):  # 3 added the pipeline fields, 4 the training state, 5 the fused kinds, 6 zero2
         raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] != PLAN_VERSION:
         raise PlanError(

@@ -22,6 +22,11 @@ b: the earliest first use among its parameters. `nbytes[b]` is the bucket's size
 that holds the most (an `R|S(d)` parameter is all-reduced across nodes and its local shard
 differs between local indices: each cross-node group reduces its own size).
 
+A ZeRO-2 parameter's gradient (instruction_set.training_state) is reduce-scattered onto every
+rank's state rows instead of all-reduced: its sync goes into buckets of kind `reduce_scatter`
+(variant: the plan's `state_shards.scatter_variant`), kept apart from the all-reduce buckets
+as another (axis, kind, variant) is, and assigned by the same rule.
+
 The cap is a plan decision: the planner picks the one the cost model predicts fastest
 (planner.buckets) and `hetsynth plan --bucket-mb` forces one.
 """
@@ -36,6 +41,7 @@ from pydantic import BaseModel, ConfigDict
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import Layout
 from instruction_set.program import Instruction
+from instruction_set.training_state import TrainingState
 
 DEFAULT_BUCKET_CAP_BYTES = 2**20  # torch DDP's first bucket (kDefaultFirstBucketBytes)
 # asynchronous collectives ("stages", runtime.grad_sync) one bucket's all-reduce issues, per variant
@@ -48,6 +54,7 @@ class GradBucket(BaseModel):
     index: int
     axis: str
     variant: str
+    kind: str = "all_reduce"  # or reduce_scatter: the gradients of ZeRO-2 parameters onto their state rows
     params: tuple[str, ...]   # graph parameter names, in buffer order
     ready_after: str          # the compute node whose backward completes the bucket
     nbytes: int               # bytes on the rank that holds the most
@@ -109,32 +116,50 @@ def local_nbytes(graph: ReferenceGraph, shards: Mapping, name: str, layout: Layo
     return math.prod(shape) * meta.nbytes // max(math.prod(meta.shape), 1)
 
 
+def sync_messages(bucket: GradBucket, group_size: int) -> int:
+    """Asynchronous collectives one bucket issues: an all-reduce's stages (SYNC_MESSAGES); a
+    reduce-scatter one (padded) or one reduce per member (grouped)."""
+    if bucket.kind == "reduce_scatter":
+        return group_size if bucket.variant == "grouped" else 1
+    return SYNC_MESSAGES[bucket.variant]
+
+
+def _sync_key(ins: Instruction, zero2: set[str], scatter_variant: str) -> tuple[str, str, str]:
+    """(axis, kind, variant) of a parameter's gradient sync."""
+    if ins.tensor in zero2:
+        return (ins.axis, "reduce_scatter", scatter_variant)
+    return (ins.axis, "all_reduce", ins.variant)
+
+
 def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards: Mapping,
                    cap_bytes: int, first_cap_bytes: int | None = None,
-                   last_cap_bytes: int | None = None) -> tuple[GradBucket, ...]:
-    """The buckets of a program's backward all-reduces (module docstring)."""
+                   last_cap_bytes: int | None = None, *,
+                   scatter_variant: str = "padded") -> tuple[GradBucket, ...]:
+    """The buckets of a program's backward gradient syncs (module docstring)."""
     for what, cap in (("gradient bucket cap", cap_bytes), ("first gradient bucket cap", first_cap_bytes),
                       ("last gradient bucket cap", last_cap_bytes)):
         if cap is not None and cap < 1:
             raise ValueError(f"{what} {cap} bytes: must be at least 1")
+    zero2 = {i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO2}
     uses = first_uses(graph, program)
     syncs = [i for i in program if i.kind == "all_reduce" and i.phase == "backward"]
     for ins in syncs:  # read by no compute instruction: ready only at the end of the backward
         uses.setdefault(ins.tensor, (-1, ""))
     syncs.sort(key=lambda i: (-uses[i.tensor][0], i.tensor))
-    lanes: dict[tuple[str, str], list[tuple[int, Instruction, int]]] = {}  # (axis, variant) -> members
+    keys = {ins.tensor: _sync_key(ins, zero2, scatter_variant) for ins in syncs}
+    lanes: dict[tuple[str, str, str], list[tuple[int, Instruction, int]]] = {}  # (axis, kind, variant) -> members
     for pos, ins in enumerate(syncs):
-        lanes.setdefault((ins.axis, ins.variant), []).append((pos, ins, local_nbytes(graph, shards, ins.tensor, ins.layout)))
+        lanes.setdefault(keys[ins.tensor], []).append((pos, ins, local_nbytes(graph, shards, ins.tensor, ins.layout)))
     done = [g for lane in lanes.values() for g in _lane_buckets(lane, cap_bytes, first_cap_bytes, last_cap_bytes)]
     done.sort(key=lambda g: g[-1][0])  # by readiness: the position of the last member
-    return tuple(GradBucket(index=b, axis=g[0][1].axis, variant=g[0][1].variant,
+    return tuple(GradBucket(index=b, axis=g[0][1].axis, kind=keys[g[0][1].tensor][1], variant=keys[g[0][1].tensor][2],
                             params=tuple(i.tensor for _, i, _ in g),
                             ready_after=min((uses[i.tensor] for _, i, _ in g))[1],
                             nbytes=sum(s for _, _, s in g)) for b, g in enumerate(done))
 
 
 def _lane_buckets(lane: list, cap: int, first_cap: int | None, last_cap: int | None) -> list[list]:
-    """One (axis, variant)'s members (position, instruction, bytes) in readiness order, cut
+    """One (axis, kind, variant)'s members (position, instruction, bytes) in readiness order, cut
     into buckets: the last bucket takes the longest tail within `last_cap` (at least one
     member); before it a bucket closes when the next member would take it past the cap
     (`first_cap` for the first bucket, when given)."""
@@ -163,10 +188,11 @@ def check_buckets(sync: GradientSync, program: Sequence[Instruction]) -> None:
 
 def gradient_sync(graph: ReferenceGraph, program: Sequence[Instruction], shards: Mapping,
                   cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                  chosen_from: Mapping[str, float] | None = None) -> GradientSync:
-    return GradientSync(bucket_cap_bytes=cap_bytes, buckets=assign_buckets(graph, program, shards, cap_bytes),
+                  chosen_from: Mapping[str, float] | None = None, scatter_variant: str = "padded") -> GradientSync:
+    return GradientSync(bucket_cap_bytes=cap_bytes,
+                        buckets=assign_buckets(graph, program, shards, cap_bytes, scatter_variant=scatter_variant),
                         chosen_from=dict(chosen_from or {}))
 
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "SYNC_MESSAGES", "GradBucket", "GradientSync", "assign_buckets", "check_buckets", "first_uses",
-           "gradient_sync", "local_nbytes"]
+           "gradient_sync", "local_nbytes", "sync_messages"]

@@ -6,8 +6,12 @@
                 ZeRO, SC'20, stage 1): the gradient is all-reduced as for REPLICATED, each
                 device updates only its rows (an optimizer over a view of them), and an
                 all-gather after the step brings every device the updated parameter
+    ZERO2       the gradient sharded too (stage 2): the gradient is reduce-scattered onto each
+                device's rows (a gradient bucket of kind reduce_scatter, instruction_set.sync),
+                so a device holds the whole gradient only until its bucket is copied in; each
+                device updates its rows, and the same post-step all-gather follows
 
-A ZERO1 parameter's rows per rank (`StateShards.rows`) come from the plan's state ratios q (one
+A ZERO1 or ZERO2 parameter's rows per rank (`StateShards.rows`) come from the plan's state ratios q (one
 per device, chosen from each device's free memory and speed, planner.zero) by largest
 remainder, once, in the plan; a rank may hold zero rows. Rows of dim 0, not flat ranges:
 a rank's rows are contiguous in the parameter, so its optimizer's shard is a view of the
@@ -28,16 +32,24 @@ from instruction_set.shards import largest_remainder
 class TrainingState(StrEnum):
     REPLICATED = "replicated"
     ZERO1 = "zero1"
+    ZERO2 = "zero2"
+
+
+SHARDED_STATES = frozenset({TrainingState.ZERO1, TrainingState.ZERO2})
+# the gradient reduce-scatter variants the bucketed gradient sync issues asynchronously
+# (runtime.grad_sync: ring's chain of point-to-point steps is not among them)
+SCATTER_VARIANTS = ("padded", "grouped")
 
 
 class StateShards(BaseModel):
-    """The state ratios q (per device) and every ZERO1 parameter's rows per rank."""
+    """The state ratios q (per device) and every ZERO1/ZERO2 parameter's rows per rank."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ratios: tuple[float, ...]
     rows: dict[str, tuple[int, ...]]
     variant: str = "padded"  # of the post-step all-gather of the rows (instruction_set.kinds: all_gather's)
+    scatter_variant: str = "padded"  # of the ZERO2 gradients' reduce-scatter buckets (SCATTER_VARIANTS)
 
     def offset(self, tensor: str, rank: int) -> int:
         return sum(self.rows[tensor][:rank])
@@ -49,23 +61,25 @@ def state_rows(ratios: Sequence[float], dim0: int) -> tuple[int, ...]:
 
 
 def check_state_shards(shards: StateShards, num_devices: int, dims0: dict[str, int | None]) -> None:
-    """Raise ValueError unless every ZERO1 parameter (`dims0`: its dim 0, None if scalar) has
+    """Raise ValueError unless every ZERO1/ZERO2 parameter (`dims0`: its dim 0, None if scalar) has
     rows for every device summing to its dim 0, and no other tensor has rows."""
     if shards.variant not in instruction_kind("all_gather").variants:
         raise ValueError(f"state_shards.variant {shards.variant!r}: use one of "
                          f"{list(instruction_kind('all_gather').variants)}")
+    if shards.scatter_variant not in SCATTER_VARIANTS:
+        raise ValueError(f"state_shards.scatter_variant {shards.scatter_variant!r}: use one of {list(SCATTER_VARIANTS)}")
     if len(shards.ratios) != num_devices:
         raise ValueError(f"state_shards.ratios has {len(shards.ratios)} entries for {num_devices} devices")
     extra = sorted(set(shards.rows) - set(dims0))
     if extra:
-        raise ValueError(f"state_shards has rows for {extra[:3]}, which are no zero1 parameters")
+        raise ValueError(f"state_shards has rows for {extra[:3]}, which are no zero1 or zero2 parameters")
     for tensor, dim0 in dims0.items():
         rows = shards.rows.get(tensor)
         if dim0 is None:
-            raise ValueError(f"zero1 parameter {tensor} has no dim 0 to shard in rows")
+            raise ValueError(f"sharded-state parameter {tensor} has no dim 0 to shard in rows")
         if rows is None or len(rows) != num_devices or sum(rows) != dim0 or min(rows) < 0:
-            raise ValueError(f"zero1 parameter {tensor} (dim 0 of {dim0}) has rows {rows}; need "
+            raise ValueError(f"sharded-state parameter {tensor} (dim 0 of {dim0}) has rows {rows}; need "
                              f"{num_devices} lengths >= 0 summing to {dim0}")
 
 
-__all__ = ["StateShards", "TrainingState", "check_state_shards", "state_rows"]
+__all__ = ["SCATTER_VARIANTS", "SHARDED_STATES", "StateShards", "TrainingState", "check_state_shards", "state_rows"]

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from cost_models.memory import GIB, activation_memory, param_memory, zero1_memory
+from cost_models.memory import GIB, activation_memory, param_memory, zero_memory
 from cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
 from instruction_set.kinds import Category, Implementations, Phase
 from instruction_set.layouts import Layout
 from instruction_set.plan import DevicePrediction, Prediction
 from instruction_set.program import COLLECTIVES, Instruction
-from instruction_set.training_state import TrainingState
+from instruction_set.training_state import SHARDED_STATES, TrainingState
 from planner.problem import Problem
 from planner.sfb import sfb_cost
 
@@ -65,9 +65,10 @@ def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -
 
 @TERMS.implements("param")
 def _param_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
-    if ins.state == TrainingState.ZERO1:  # the update on the device's rows; state at q (held fixed in the ratio LP)
+    if ins.state in SHARDED_STATES:  # the update on the device's rows; state at q (held fixed in the ratio LP)
+        stage = 2 if ins.state == TrainingState.ZERO2 else 1
         return Term.leaf(pb.update_rows_linear(ins.tensor), Shares(pb.state_shares, ShareKind.FIXED), Category.COMPUTE,
-                         zero1_memory(pb.meta(ins.tensor).nbytes, pb.width))
+                         zero_memory(pb.meta(ins.tensor).nbytes, pb.width, stage))
     mem = param_memory(pb.meta(ins.tensor).nbytes, ins.layout.is_shard, pb.width)
     update = pb.update_linear(ins.tensor, ins.layout)
     return Term.leaf(update, Shares(pb.shares(ins.tensor, ins.layout), share_kind([ins.layout])),

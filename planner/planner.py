@@ -42,6 +42,7 @@ from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.plan_checks import ShardTable
 from instruction_set.program import COLLECTIVES, Instruction
 from instruction_set.sync import BucketShape, GradientSync
+from instruction_set.training_state import TrainingState
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
@@ -52,8 +53,8 @@ from planner.recompute import fit_by_recompute
 from planner.fusions import fuse_program, unfuse_program
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
-from planner.zero import (solve_state_ratios, state_shards, with_states, zero1_problem, zero_candidates,
-                          zero_tensors)
+from planner.zero import (solve_state_ratios, state_shards, with_states, zero_candidates, zero_problem,
+                          zero_stages)
 
 log = logging.getLogger(__name__)
 
@@ -245,13 +246,16 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
 
 def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
                 restrictions: Restrictions | None, stats: _Stats, allow_zero: bool = True) -> Candidate | None:
-    """`candidate` made to fit in memory, the faster of: its replicated parameters' optimizer
-    state sharded (ZeRO-1, planner.zero), with the fewest blocks recomputed that then fit if
-    needed; and the fewest blocks recomputed without ZeRO-1. None when neither fits."""
+    """`candidate` made to fit in memory, the fastest of: its replicated parameters' training
+    state sharded in rows (ZeRO-1: the optimizer state; ZeRO-2: the gradient too; planner.zero),
+    each with the fewest blocks recomputed that then fit if needed; and the fewest blocks
+    recomputed without ZeRO. None when none fits."""
     options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
     allowed = allow_zero and candidate.problem.restrictions.allow_zero
-    zero = zero1_problem(candidate.problem, candidate.program) if allowed else None
-    if zero is not None:
+    for state in ZERO_STATES if allowed else ():
+        zero = zero_problem(candidate.problem, candidate.program, state)
+        if zero is None:
+            break
         pb, program = zero
         if predict(pb, program_terms(pb, program)).fits:  # memory does not depend on the buckets
             options.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
@@ -266,12 +270,15 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     return best
 
 
+ZERO_STATES = (TrainingState.ZERO1, TrainingState.ZERO2)  # tried where memory binds, in this order
+
+
 def techniques(program: Sequence[Instruction]) -> str:
     """What a program uses to fit in memory, in words."""
-    zero, units = len(zero_tensors(program)), recomputed_units(program)
-    used = ([f"ZeRO-1 for {zero} parameters"] if zero else []) + ([f"recomputation of {len(units)} blocks"]
-                                                                   if units else [])
-    return " and ".join(used) or "no ZeRO-1 and no recomputation (none applies)"
+    units = recomputed_units(program)
+    used = [f"ZeRO-{stage} for {n} parameters" for stage, n in zero_stages(program).items()]
+    used += [f"recomputation of {len(units)} blocks"] if units else []
+    return " and ".join(used) or "no ZeRO and no recomputation (none applies)"
 
 
 def _recomputed(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
@@ -312,7 +319,7 @@ def _next_weight(weight: float, candidate: Candidate) -> float:
 
 def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candidate, allow_zero: bool = True) -> str:
     """Where the best plan found is short of memory with every technique applied: its
-    replicated parameters' optimizer state sharded (ZeRO-1, at the state LP's ratios), all its
+    replicated parameters' state sharded (the last of ZERO_STATES, at the state LP's ratios), all its
     blocks recomputed, and the ratios that minimise the largest overflow."""
     pb, program = _most_memory_saving(best, allow_zero)
     ratios, over = least_memory_overflow(program_terms(pb, program), [k.memory_gib for k in pb.kinds],
@@ -336,9 +343,10 @@ def shortfall_message(plan: Plan) -> str:
 
 
 def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Problem, tuple[Instruction, ...]]:
-    """The best candidate's program with ZeRO-1 (where allowed) and every block recomputed."""
+    """The best candidate's program with its most memory-saving ZeRO stage (where allowed) and
+    every block recomputed."""
     pb, program = best.problem, best.program
-    zero = zero1_problem(pb, program) if allow_zero and pb.restrictions.allow_zero else None
+    zero = zero_problem(pb, program, ZERO_STATES[-1]) if allow_zero and pb.restrictions.allow_zero else None
     if zero is not None:
         pb, program = zero
     return pb, mark_recomputed(program, recompute_units(pb.graph, program))
@@ -457,15 +465,22 @@ def without_sfb(plan: Plan) -> Plan:
                                    "gradient_sync": sync})
 
 
-def with_zero1(plan: Plan, state_ratios: Sequence[float] | None = None) -> Plan:
-    """The same plan with every replicated trained parameter's optimizer state sharded in rows
-    (ZeRO-1) at `state_ratios` (default: the state LP's, planner.zero), re-predicted."""
-    restrictions = Restrictions(two_level=plan.mesh.two_level)
+def with_zero(plan: Plan, state_ratios: Sequence[float] | None = None,
+              state: TrainingState = TrainingState.ZERO1, scatter_variant: str | None = None) -> Plan:
+    """The same plan with every replicated trained parameter's training state sharded in rows
+    (ZeRO stage `state`) at `state_ratios` (default: the state LP's, planner.zero), re-predicted
+    (`scatter_variant`: the ZeRO-2 gradients' reduce-scatter variant; default the fastest)."""
+    variants = {"reduce_scatter": (scatter_variant,)} if scatter_variant else {}
+    restrictions = Restrictions(two_level=plan.mesh.two_level, variants=variants)
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
-    program = with_states(plan.instructions, zero_candidates(pb, plan.instructions))
+    program = with_states(plan.instructions, zero_candidates(pb, plan.instructions), state)
     q = tuple(_normalise(state_ratios, plan.cluster)) if state_ratios is not None else \
         solve_state_ratios(pb, program)[0]
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions, state_ratios=q)
     prediction, sync = predict_program(pb, program)
     return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
                                    "gradient_sync": sync, "state_shards": state_shards(pb, program)})
+
+
+def with_zero1(plan: Plan, state_ratios: Sequence[float] | None = None) -> Plan:
+    return with_zero(plan, state_ratios, TrainingState.ZERO1)

@@ -13,7 +13,8 @@ has gone back past the first use p_b of its parameters, after
 
     R_b = sum_{i >= p_b} c_i          of backward work (c_i: the backward halves),
 
-and its all-reduce takes S_b (cost_models.comm at the bucket's bytes, variant and axis). One
+and its all-reduce takes S_b (cost_models.comm at the bucket's bytes, variant and axis; a ZeRO-2
+bucket's reduce-scatter onto the state rows, at the state ratios q). One
 serial stream, e_b = max(e_{b-1}, R_b) + S_b, unrolls (max-plus) to
 
     T_bwd = max( R_1..N + gamma sum_b S_b ,  max_b ( R_b + sum_{b' >= b} S_b' ) )
@@ -24,8 +25,8 @@ device kind's `transfer_cpu_share` (instruction_set.cluster), measured by `hetsy
 compute's own CPU quota (gamma near 1: the overlap hides little, and many small buckets cost
 their latency on the compute too); on GPUs the bytes move beside the compute (gamma near 0).
 Each message also costs m_i (transfer_cpu_us_per_message, the same measurement): a bucket's
-all-reduce is k_b messages (instruction_set.sync.SYNC_MESSAGES: ring 1, hierarchical 3
-stages), so the whole backward's branch adds sum_b (gamma_i S_b + m_i k_b), a compute form per
+all-reduce is k_b messages (instruction_set.sync.sync_messages: ring 1, hierarchical 3
+stages; a ZeRO-2 reduce-scatter bucket 1 padded, g grouped), so the whole backward's branch adds sum_b (gamma_i S_b + m_i k_b), a compute form per
 device (`busy` counts it as compute): many small buckets pay m_i each.
 This is exactly an Overlap of B + 1 Series: the whole backward, and for each bucket the
 backward up to its readiness followed by its and the later buckets' all-reduces. The
@@ -60,9 +61,9 @@ from instruction_set.kinds import Category, Phase
 from instruction_set.kinds import kind as instruction_kind
 from instruction_set.plan import Prediction
 from instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
-from instruction_set.training_state import TrainingState
-from instruction_set.sync import (DEFAULT_BUCKET_CAP_BYTES, ONE_BUCKET, SYNC_MESSAGES, BucketShape, GradBucket,
-                                  GradientSync, assign_buckets)
+from instruction_set.training_state import SCATTER_VARIANTS, SHARDED_STATES, TrainingState
+from instruction_set.sync import (DEFAULT_BUCKET_CAP_BYTES, ONE_BUCKET, BucketShape, GradBucket, GradientSync,
+                                  assign_buckets, sync_messages)
 from planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.problem import Problem
@@ -131,9 +132,13 @@ def backward_share(pb: Problem, ins: Instruction) -> float:
 
 
 def bucket_sync(pb: Problem, bucket: GradBucket) -> Form:
-    """S_b: the bucket's all-reduce, a constant in the ratios."""
+    """S_b: the bucket's all-reduce (or a ZeRO-2 bucket's reduce-scatter onto the rows at the
+    state ratios q), a constant in the ratios."""
     if pb.comm.group_size(bucket.axis) == 1:
         seconds_ = 0.0
+    elif bucket.kind == "reduce_scatter":
+        q = pb.state_shares
+        seconds_ = pb.comm.cost("reduce_scatter", bucket.variant, float(bucket.nbytes), bucket.axis, q).at(q)
     else:
         seconds_ = pb.comm.cost("all_reduce", bucket.variant, float(bucket.nbytes), bucket.axis).at(
             (1.0 / pb.width,) * pb.width)
@@ -196,7 +201,8 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
     """The step's terms: forward halves, the overlapped backward, updates, scalars (buckets:
     assigned at the default cap when not given; `split`: _split(pb, program) if known)."""
     if buckets is None:
-        buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES)
+        buckets = assign_buckets(pb.graph, program, param_shards(pb, program), DEFAULT_BUCKET_CAP_BYTES,
+                                 scatter_variant=state_scatter_variant(pb, program))
     forward, backward, post = split or _split(pb, program)
     ready = ready_indices(program, buckets)
     sync = [bucket_sync(pb, b) for b in buckets]
@@ -206,8 +212,8 @@ def program_terms(pb: Problem, program: Sequence[Instruction],
 
 
 def state_gather_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
-    """The all-gather after the step that brings every device the ZeRO-1 parameters' updated
-    rows (runtime.zero: one padded all-gather of every rank's rows, at the state ratios q)."""
+    """The all-gather after the step that brings every device the ZeRO-1/2 parameters' updated
+    rows (runtime.zero: one all-gather of every rank's rows, at the state ratios q)."""
     nbytes = state_gather_bytes(pb, program)
     if nbytes == 0.0:
         return []
@@ -216,8 +222,8 @@ def state_gather_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term
     return [Term.leaf(cost, Shares(q, ShareKind.FIXED), Category.COMMUNICATION)]
 
 
-def state_gather_bytes(pb: Problem, program: Sequence[Instruction]) -> float:
-    return float(sum(pb.meta(i.tensor).nbytes for i in program if i.kind == "param" and i.state == TrainingState.ZERO1))
+def state_gather_bytes(pb: Problem, program: Sequence[Instruction], states=SHARDED_STATES) -> float:
+    return float(sum(pb.meta(i.tensor).nbytes for i in program if i.kind == "param" and i.state in states))
 
 
 def state_gather_variant(pb: Problem, program: Sequence[Instruction]) -> str:
@@ -227,13 +233,25 @@ def state_gather_variant(pb: Problem, program: Sequence[Instruction]) -> str:
                key=lambda v: pb.comm.cost("all_gather", v, nbytes, "all", q).at(q))
 
 
+def state_scatter_variant(pb: Problem, program: Sequence[Instruction]) -> str:
+    """The reduce-scatter variant the model predicts fastest for the ZeRO-2 gradients onto
+    the rows at the state ratios (of those the bucketed sync issues: SCATTER_VARIANTS)."""
+    nbytes = state_gather_bytes(pb, program, {TrainingState.ZERO2})
+    if nbytes == 0.0:
+        return SCATTER_VARIANTS[0]
+    q = pb.state_shares
+    allowed = pb.restrictions.variants.get("reduce_scatter", SCATTER_VARIANTS)
+    return min([v for v in SCATTER_VARIANTS if v in allowed] or SCATTER_VARIANTS,
+               key=lambda v: pb.comm.cost("reduce_scatter", v, nbytes, "all", q).at(q))
+
+
 def transfer_losses(pb: Problem, buckets: Sequence[GradBucket],
                     sync: Sequence[Form] | None = None) -> list[Form | None]:
     """The compute each bucket's transfer takes (TransferCpu.loss; `sync`: the buckets'
     bucket_sync forms if known)."""
     cpu = TransferCpu.of(pb)
     sync = sync if sync is not None else [bucket_sync(pb, b) for b in buckets]
-    return [cpu.loss(s, SYNC_MESSAGES[b.variant]) for s, b in zip(sync, buckets, strict=True)]
+    return [cpu.loss(s, sync_messages(b, pb.comm.group_size(b.axis))) for s, b in zip(sync, buckets, strict=True)]
 
 
 def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket]) -> list[int]:
@@ -246,8 +264,9 @@ def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket])
 
 
 def scalar_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
-    """The clipping norm's all-reduce, only when some parameter is sharded (runtime.train)."""
-    if not any(i.kind == "param" and i.layout.is_shard for i in program):
+    """The clipping norm's all-reduce, only when some parameter or gradient is sharded (a
+    ZeRO-2 gradient lives on the rows; runtime.train)."""
+    if not any(i.kind == "param" and (i.layout.is_shard or i.state == TrainingState.ZERO2) for i in program):
         return []
     one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.width,) * pb.width)
     return [Term.leaf(LinearCost.constant(one, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
@@ -265,11 +284,12 @@ def choose_buckets(pb: Problem, program: Sequence[Instruction],
     """The bucket shape the model predicts fastest (or `forced`), its buckets and terms: the
     plain shapes first, then the best of them with each small last bucket."""
     shards, split = param_shards(pb, program), _split(pb, program)  # both independent of the shape
+    scatter = state_scatter_variant(pb, program)
     tried: dict[BucketShape, tuple[tuple[GradBucket, ...], list[Term], float]] = {}
 
     def cost(shapes: Sequence[BucketShape]) -> BucketShape:
         for shape in shapes:
-            buckets = assign_buckets(pb.graph, program, shards, *shape)
+            buckets = assign_buckets(pb.graph, program, shards, *shape, scatter_variant=scatter)
             if not any(buckets == t[0] for t in tried.values()):  # else the same buckets as a costed shape
                 terms = program_terms(pb, program, buckets, split)
                 tried[shape] = (buckets, terms, sum(seconds(t.time) for t in terms))
@@ -290,5 +310,5 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
 
 
 __all__ = ["CAPS_BYTES", "DDP_SHAPE", "LAST_CAPS_BYTES", "plain_shapes", "with_last_caps", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
-           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant",
+           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant", "state_scatter_variant",
            "param_shards", "predict_program", "program_terms", "TransferCpu"]

@@ -1,16 +1,19 @@
-"""ZeRO-1 as a planning decision: which parameters shard their optimizer state, and the state
-ratios q that size each device's rows from its free memory and its speed.
+"""ZeRO-1 and ZeRO-2 as planning decisions: which parameters shard their optimizer state (and
+gradient), and the state ratios q that size each device's rows from its free memory and speed.
 
 A ZeRO-1 parameter (instruction_set.training_state) keeps its parameter and gradient whole
 and holds only its rows' optimizer state; the gradient is all-reduced as before, each device
-updates its rows, and one all-gather after the step brings every device the new rows. The
+updates its rows, and one all-gather after the step brings every device the new rows. A
+ZeRO-2 parameter also holds only its rows' gradient: the gradient is reduce-scattered onto
+the rows (instruction_set.sync's reduce_scatter buckets) instead of all-reduced. The
 candidates are the trained parameters stored replicated over every device (layout R): their
 gradient is all-reduced over all devices, so any device can own any row.
 
 The state LP, at fixed compute ratios r and program (classes c of interchangeable devices,
-n_c devices each; per device of class c: M_c the bytes of everything but the ZeRO-1 state,
-S the ZeRO-1 state bytes (OPTIMIZER_COPIES - 2 copies of the parameters), U_c the seconds to
-update all ZeRO-1 parameters, G the post-step all-gather's seconds at even q, g devices):
+n_c devices each; per device of class c: M_c the bytes of everything but the sharded state,
+S the sharded state bytes (OPTIMIZER_COPIES - 2 copies of the parameters under ZeRO-1, - 1
+under ZeRO-2), U_c the seconds to update all ZeRO parameters, G the post-step all-gather's
+seconds at even q plus, under ZeRO-2, the gradients' padded reduce-scatter's, g devices):
 
     minimise    t + G g m
     subject to  sum_c n_c q_c = 1,   q_c >= 0
@@ -36,11 +39,11 @@ import pulp
 from cost_models.memory import OPTIMIZER_COPIES
 from instruction_set.layouts import R
 from instruction_set.program import Instruction
-from instruction_set.training_state import StateShards, TrainingState, state_rows
+from instruction_set.training_state import SHARDED_STATES, StateShards, TrainingState, state_rows
 from planner.evaluate import memory_bytes
 from planner.problem import Problem
 from planner.ratios import MemoryInfeasible, _solver
-from planner.step_cost import program_terms, state_gather_variant
+from planner.step_cost import program_terms, state_gather_variant, state_scatter_variant
 
 log = logging.getLogger(__name__)
 
@@ -59,28 +62,41 @@ def with_states(program: Sequence[Instruction], tensors: Sequence[str],
                  for i in program)
 
 
-def zero_tensors(program: Sequence[Instruction]) -> list[str]:
-    return [i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO1]
+def zero_tensors(program: Sequence[Instruction], states=SHARDED_STATES) -> list[str]:
+    """The parameters whose state is sharded in rows (of `states`: ZeRO-1 and ZeRO-2)."""
+    return [i.tensor for i in program if i.kind == "param" and i.state in states]
+
+
+def zero_stages(program: Sequence[Instruction]) -> dict[int, int]:
+    """ZeRO stage -> how many parameters use it."""
+    stages = {TrainingState.ZERO1: 1, TrainingState.ZERO2: 2}
+    out: dict[int, int] = {}
+    for i in program:
+        if i.kind == "param" and i.state in stages:
+            out[stages[i.state]] = out.get(stages[i.state], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def state_shards(pb: Problem, program: Sequence[Instruction]) -> StateShards | None:
-    """Every ZeRO-1 parameter's rows per rank at pb's state ratios (None: none is ZeRO-1)."""
+    """Every ZeRO parameter's rows per rank at pb's state ratios (None: none is ZeRO)."""
     tensors = zero_tensors(program)
     if not tensors:
         return None
     assert pb.state_ratios is not None
     return StateShards(ratios=pb.state_ratios, variant=state_gather_variant(pb, program),
+                       scatter_variant=state_scatter_variant(pb, program),
                        rows={t: state_rows(pb.state_ratios, pb.meta(t).shape[0]) for t in tensors})
 
 
 def _fixed_parts(pb: Problem, program: Sequence[Instruction]) -> tuple[list[float], float, list[float]]:
-    """Per class: bytes of everything but the ZeRO-1 state (M_c); the state bytes S; update
-    seconds of all ZeRO-1 parameters on the whole rows (U_c)."""
+    """Per class: bytes of everything but the sharded state (M_c); the state bytes S; update
+    seconds of all ZeRO parameters on the whole rows (U_c)."""
     zero = set(zero_tensors(program))
+    zero2 = set(zero_tensors(program, {TrainingState.ZERO2}))
     probe = Problem(pb.graph, pb.cluster, pb.ratios, pb.restrictions,
                     state_ratios=(0.0,) * pb.cluster.num_devices)
     fixed = memory_bytes(pb.width, program_terms(probe, program))
-    state = (OPTIMIZER_COPIES - 2) * float(sum(pb.meta(t).nbytes for t in zero))
+    state = float(sum((OPTIMIZER_COPIES - (1 if t in zero2 else 2)) * pb.meta(t).nbytes for t in zero))
     update = [0.0] * pb.width
     for t in zero:
         cost = pb.update_rows_linear(t)
@@ -94,8 +110,9 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
     fixed, state, update = _fixed_parts(pb, program)
     caps = [k.memory_gib * 2**30 for k in pb.kinds]
     counts, g = pb.devices.counts, pb.cluster.num_devices
-    nbytes = state / max(OPTIMIZER_COPIES - 2, 1)
-    gather = pb.comm.cost("all_gather", "padded", nbytes, "all").at((1.0 / g,) * pb.width) * g if g > 1 else 0.0
+    gather = _padded_seconds(pb, "all_gather", float(sum(pb.meta(t).nbytes for t in zero_tensors(program)))) + \
+        _padded_seconds(pb, "reduce_scatter", float(sum(pb.meta(t).nbytes for t in
+                                                        zero_tensors(program, {TrainingState.ZERO2}))))
     prob, q, t, m = _state_lp(counts, update)
     for c, cap in enumerate(caps):
         prob += fixed[c] + state * q[c] <= cap, f"memory_{c}"
@@ -113,6 +130,14 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
     per_class = [max(0.0, float(v.value() or 0.0)) for v in q]
     total = sum(n * x for n, x in zip(counts, per_class))
     return pb.devices.expand([x / total for x in per_class]), best_s is not None
+
+
+def _padded_seconds(pb: Problem, kind: str, nbytes: float) -> float:
+    """G: a padded collective's seconds at even q, per unit of the largest share."""
+    g = pb.cluster.num_devices
+    if g == 1 or nbytes == 0.0:
+        return 0.0
+    return pb.comm.cost(kind, "padded", nbytes, "all").at((1.0 / g,) * pb.width) * g
 
 
 def _state_lp(counts: Sequence[int], update: Sequence[float]) -> tuple:
@@ -134,15 +159,16 @@ def _solve(prob: pulp.LpProblem) -> float | None:
     return float(pulp.value(prob.objective))
 
 
-def zero1_problem(pb: Problem, program: Sequence[Instruction]) -> tuple[Problem, tuple[Instruction, ...]] | None:
-    """The program with every candidate ZeRO-1 and the problem at its LP's state ratios, or
-    None when there is no candidate."""
+def zero_problem(pb: Problem, program: Sequence[Instruction], state: TrainingState = TrainingState.ZERO1
+                 ) -> tuple[Problem, tuple[Instruction, ...]] | None:
+    """The program with every candidate at ZeRO stage `state` and the problem at its LP's
+    state ratios, or None when there is no candidate."""
     tensors = zero_candidates(pb, program)
     if not tensors:
         return None
-    zero = with_states(program, tensors)
+    zero = with_states(program, tensors, state)
     q, fits = solve_state_ratios(pb, zero)
-    log.info("ZeRO-1 of %d parameters at state ratios %s (%s)", len(tensors), ", ".join(f"{x:.3f}" for x in q),
+    log.info("%s of %d parameters at state ratios %s (%s)", state, len(tensors), ", ".join(f"{x:.3f}" for x in q),
              "the state fits" if fits else "the state alone does not fit: the ratios least over")
     return with_state_ratios(pb, q), zero
 
@@ -151,5 +177,5 @@ def with_state_ratios(pb: Problem, state_ratios: Sequence[float]) -> Problem:
     return Problem(pb.graph, pb.cluster, pb.ratios, pb.restrictions, state_ratios=state_ratios)
 
 
-__all__ = ["solve_state_ratios", "state_shards", "with_state_ratios", "with_states", "zero1_problem",
-           "zero_candidates", "zero_tensors"]
+__all__ = ["solve_state_ratios", "state_shards", "with_state_ratios", "with_states", "zero_problem",
+           "zero_candidates", "zero_stages", "zero_tensors"]

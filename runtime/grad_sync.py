@@ -38,6 +38,18 @@ buckets waited 340 ms after the backward, against 120 ms for one unoverlapped bu
 Reducer, too, issues async work from the hooks; a callback runs on the thread that completed
 the work, with no hand-off.)
 
+ZeRO-2 buckets (kind reduce_scatter, instruction_set.sync) reduce-scatter their parameters'
+gradients onto every rank's state rows (the plan's `state_shards.rows`, uneven, zero rows
+legal) instead of all-reducing them. Their parameters' `.grad` is no view: a gradient hook
+copies the whole gradient autograd made into the bucket's copy-in buffer (allocated at the
+bucket's first gradient, rank-major: [rank 0: p1 rows | p2 rows | ...][rank 1: ...], each
+rank's segment padded to the largest for the padded variant) and drops it (`p.grad = None`),
+so a whole gradient lives only from the backward op that makes it to its hook. The bucket is
+one asynchronous reduce_scatter_single (padded) or one asynchronous reduce per rank to that
+rank (grouped), issued like an all-reduce bucket's stage; when it completes, this rank's
+segment is kept (its rows of every parameter, `row_grad`) and the copy-in buffer freed.
+(ring, a chain of point-to-point steps, is not issued here: SCATTER_VARIANTS.)
+
 Expected gradients: a parameter that a rank's program does not use (the addend another rank
 keeps, `once:` local rewrites) gets no gradient there; its view stays zero, a zero summand.
 Which parameters fire is learnt in the first step: until then, and whenever a parameter
@@ -46,6 +58,7 @@ expected does not fire, the bucket is launched by `finish()` (counted as late).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +70,8 @@ from torch import nn
 
 from instruction_set.mesh import Mesh, MeshAxis
 from instruction_set.sync import GradBucket
+from instruction_set.training_state import SCATTER_VARIANTS
+from runtime.collectives import Span
 from runtime.collectives.allreduce import scatter_parts
 from runtime.groups import Groups, group_timeout
 
@@ -114,6 +129,54 @@ class Pending:
             self.future.then(callback)
 
 
+@dataclass(frozen=True)
+class RowsLayout:
+    """Where a reduce-scatter bucket's gradients of one dtype lie in its copy-in buffer
+    (module docstring): rank r's segment starts at starts[r] and holds, per parameter k in
+    order, its rows[k][r] rows."""
+
+    shapes: tuple[torch.Size, ...]
+    rows: tuple[tuple[int, ...], ...]    # per parameter, per rank
+    span: Span                           # the group's members and this rank's index
+    padded: bool
+
+    def numel(self, k: int, rank: int) -> int:
+        return self.rows[k][rank] * math.prod(self.shapes[k][1:])
+
+    @property
+    def lengths(self) -> list[int]:
+        return [sum(self.numel(k, r) for k in range(len(self.shapes))) for r in range(self.span.size)]
+
+    @property
+    def starts(self) -> list[int]:
+        lengths = self.lengths
+        return [r * max(lengths) for r in range(len(lengths))] if self.padded else \
+            [sum(lengths[:r]) for r in range(len(lengths))]
+
+    @property
+    def size(self) -> int:
+        return self.starts[-1] + (max(self.lengths) if self.padded else self.lengths[-1])
+
+    def place(self, buffer: torch.Tensor, k: int, grad: torch.Tensor) -> None:
+        """Copy parameter k's whole gradient into every rank's segment."""
+        starts, offset = self.starts, 0
+        for r in range(self.span.size):
+            n = self.numel(k, r)
+            if n:
+                at = starts[r] + sum(self.numel(j, r) for j in range(k))
+                buffer[at:at + n].copy_(grad.narrow(0, offset, self.rows[k][r]).reshape(-1))
+            offset += self.rows[k][r]
+
+    def views(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows of every parameter, views of its reduced segment."""
+        out, at, me = [], 0, self.span.index
+        for k, shape in enumerate(self.shapes):
+            n = self.numel(k, me)
+            out.append(mine[at:at + n].view(self.rows[k][me], *shape[1:]))
+            at += n
+        return out
+
+
 @dataclass
 class BucketRun:
     spec: GradBucket
@@ -124,14 +187,39 @@ class BucketRun:
     fired: set[int] = field(default_factory=set)
     stage: int = 0                        # next stage to issue
     works: list["Pending"] = field(default_factory=list)    # outstanding work of the current stage
+    issued: bool = False                  # the current stage is issued and not yet completed
     state: list[Any] = field(default_factory=list)    # per buffer: what the next stage needs
     launched_s: float = 0.0
     done_s: float = 0.0
     late: bool = False
+    layouts: list[RowsLayout] = field(default_factory=list)   # reduce_scatter: one per dtype (buffers lazily)
+    row_grads: dict[int, torch.Tensor] = field(default_factory=dict)   # reduce_scatter: id(param) -> my rows
 
     @property
     def nbytes(self) -> int:
+        if self.layouts:
+            return sum(l.size * p.element_size() for l, p in zip(self.layouts, self._firsts()))
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def _firsts(self) -> list[nn.Parameter]:
+        return [next(p for p in self.params if p.dtype == d) for d in dict.fromkeys(p.dtype for p in self.params)]
+
+    def dtype_index(self, i: int) -> tuple[int, int]:
+        """(buffer, position in it) of parameter i (buffers by dtype, in first-seen order)."""
+        dtypes = list(dict.fromkeys(p.dtype for p in self.params))
+        d = dtypes.index(self.params[i].dtype)
+        return d, sum(1 for p in self.params[:i] if p.dtype == self.params[i].dtype)
+
+    def copy_in(self, i: int) -> None:
+        """A reduce-scatter bucket: parameter i's whole gradient into the copy-in buffer, dropped."""
+        p = self.params[i]
+        if p.grad is None:
+            return
+        d, k = self.dtype_index(i)
+        if self.buffers[d] is None:
+            self.buffers[d] = p.grad.new_zeros(self.layouts[d].size)
+        self.layouts[d].place(self.buffers[d], k, p.grad)
+        p.grad = None
 
 
 # -- the stages of each variant: (axis of the lane's group, issue(buffer, previous state, group) -> (work, state))
@@ -154,17 +242,36 @@ def _gather(flat: torch.Tensor, part: torch.Tensor, group: Any) -> tuple[Any, An
     return dist.all_gather_single(whole, part, group=group, async_op=True), whole
 
 
+def _rows_padded(flat: torch.Tensor, layout: RowsLayout, group: Any) -> tuple[Any, Any]:
+    """Every rank's segment padded to the largest: one reduce_scatter_single."""
+    out = flat.new_empty(max(layout.lengths))
+    work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True) \
+        if out.numel() else []
+    return work, (layout, out)
+
+
+def _rows_grouped(flat: torch.Tensor, layout: RowsLayout, group: Any) -> tuple[Any, Any]:
+    """One reduce of rank r's segment to rank r, for every rank with rows (no padding)."""
+    span, starts, lengths = layout.span, layout.starts, layout.lengths
+    works = [dist.reduce(flat[s:s + n], dst=m, op=dist.ReduceOp.SUM, group=group, async_op=True)
+             for s, n, m in zip(starts, lengths, span.members) if n > 0]
+    return works, (layout, flat[starts[span.index]:])
+
+
 Stage = tuple[str | None, Callable[[torch.Tensor, Any, Any], tuple[Any, Any]]]
 STAGES: dict[str, tuple[Stage, ...]] = {
     "ring": ((None, _ring),),             # None: the bucket's own axis
     "hierarchical": (("inner", _scatter), ("outer", _across), ("inner", _gather)),
 }
+SCATTER_STAGES: dict[str, tuple[Stage, ...]] = {"padded": ((None, _rows_padded),), "grouped": ((None, _rows_grouped),)}
+assert set(SCATTER_STAGES) == set(SCATTER_VARIANTS)
 
 
-def _stages(variant: str) -> tuple[Stage, ...]:
-    if variant not in STAGES:
-        raise ValueError(f"gradient bucket variant {variant!r}: the runtime has {sorted(STAGES)}")
-    return STAGES[variant]
+def _stages(kind: str, variant: str) -> tuple[Stage, ...]:
+    table = SCATTER_STAGES if kind == "reduce_scatter" else STAGES
+    if variant not in table:
+        raise ValueError(f"gradient bucket {kind} variant {variant!r}: the runtime has {sorted(table)}")
+    return table[variant]
 
 
 def _flat_views(params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -181,12 +288,21 @@ def _flat_views(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return buffers
 
 
+def _row_layouts(params: list[nn.Parameter], rows: list[tuple[int, ...]], span: Span, variant: str) -> list[RowsLayout]:
+    out = []
+    for dtype in dict.fromkeys(p.dtype for p in params):
+        members = [k for k, p in enumerate(params) if p.dtype == dtype]
+        out.append(RowsLayout(tuple(params[k].shape for k in members), tuple(rows[k] for k in members), span,
+                              variant == "padded"))
+    return out
+
+
 # (world group, mesh, lane) -> this rank's process group of the lane. gloo groups hold threads
 # and sockets until the process ends (torch frees them only with the default group), so a
 # process makes each lane's groups once and every trainer in it (runtime.compare's entries, a
 # test pool's tests) reuses them: safe, because a trainer finishes its buckets' work before
 # its step returns, so two trainers' collectives never interleave on a lane.
-_LANES: dict[tuple[int, Mesh, tuple[str, str, int]], Any] = {}
+_LANES: dict[tuple[int, Mesh, tuple[str, str, str, int]], Any] = {}
 
 
 def _axis_group(mesh: Mesh, rank: int, axis: str, timeout: Any) -> Any:
@@ -204,16 +320,20 @@ def _axis_group(mesh: Mesh, rank: int, axis: str, timeout: Any) -> Any:
     return mine
 
 
-def lane_groups(buckets: list[GradBucket], groups: Groups) -> dict[tuple[str, str, int], Any]:
-    """One process group per (variant, axis, stage) lane the buckets use, for that lane alone
-    (collective: every rank calls it with the same buckets)."""
-    lanes = list(dict.fromkeys((b.variant, b.axis, s) for b in buckets for s in range(len(_stages(b.variant)))))
+Lane = tuple[str, str, str, int]   # (kind, variant, axis, stage)
+
+
+def lane_groups(buckets: list[GradBucket], groups: Groups) -> dict[Lane, Any]:
+    """One process group per (kind, variant, axis, stage) lane the buckets use, for that lane
+    alone (collective: every rank calls it with the same buckets)."""
+    lanes = list(dict.fromkeys((b.kind, b.variant, b.axis, s) for b in buckets
+                               for s in range(len(_stages(b.kind, b.variant)))))
     world = groups.group("all")
     out = {}
     for lane in lanes:
         key = (id(world), groups.mesh, lane)
         if key not in _LANES:
-            axis = _stages(lane[0])[lane[2]][0] or lane[1]
+            axis = _stages(lane[0], lane[1])[lane[3]][0] or lane[2]
             _LANES[key] = _axis_group(groups.mesh, groups.rank, axis, group_timeout(world))
         out[lane] = _LANES[key]
     return out
@@ -222,7 +342,7 @@ def lane_groups(buckets: list[GradBucket], groups: Groups) -> dict[tuple[str, st
 class GradientSync:
     """The buckets of one rank (module docstring)."""
 
-    def __init__(self, buckets: list[BucketRun], lanes: dict[tuple[str, str, int], Any], rank: int) -> None:
+    def __init__(self, buckets: list[BucketRun], lanes: dict[Lane, Any], rank: int) -> None:
         self.buckets, self.lanes, self.rank = buckets, lanes, rank
         self.next = 0            # next bucket to launch
         self.start_s = 0.0
@@ -235,13 +355,30 @@ class GradientSync:
                 p.register_post_accumulate_grad_hook(lambda _p, k=k, i=i: self.on_grad(k, i))
 
     @staticmethod
-    def build(module: nn.Module, specs: tuple[GradBucket, ...], groups: Groups) -> "GradientSync":
+    def build(module: nn.Module, specs: tuple[GradBucket, ...], groups: Groups,
+              rows: dict[str, tuple[int, ...]] | None = None) -> "GradientSync":
+        """`rows`: every ZeRO-2 parameter's rows per rank (the plan's state_shards.rows)."""
         runs = []
         for spec in specs:
-            params = [p for p in (getattr(module, n) for n in spec.params) if p.requires_grad]
-            if params:
+            names = [n for n in spec.params if getattr(module, n).requires_grad]
+            params = [getattr(module, n) for n in names]
+            if not params:
+                continue
+            if spec.kind == "reduce_scatter":
+                missing = [n for n in names if n not in (rows or {})]
+                assert not missing and spec.axis == MeshAxis.ALL, f"reduce-scatter bucket without rows: {missing}"
+                layouts = _row_layouts(params, [rows[n] for n in names], groups.span("all"), spec.variant)  # type: ignore[index]
+                runs.append(BucketRun(spec, params, [None] * len(layouts), set(range(len(params))), layouts=layouts))
+            else:
                 runs.append(BucketRun(spec, params, _flat_views(params), set(range(len(params)))))
         return GradientSync(runs, lane_groups([r.spec for r in runs], groups), groups.rank)
+
+    def row_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """A ZeRO-2 parameter's gradient on this rank's rows, once its bucket completed."""
+        for run in self.buckets:
+            if id(param) in run.row_grads:
+                return run.row_grads[id(param)]
+        return None
 
     @property
     def params(self) -> set[int]:
@@ -251,15 +388,23 @@ class GradientSync:
         """Zero the buffers (the grads stay views) and arm every bucket."""
         self.error = None
         for run in self.buckets:
+            if run.layouts:  # reduce-scatter: whole gradients land in a fresh copy-in buffer
+                run.buffers, run.row_grads = [None] * len(run.layouts), {}
+                for p in run.params:
+                    p.grad = None
             for b in run.buffers:
-                b.zero_()
+                if b is not None:
+                    b.zero_()
             run.pending, run.fired, run.stage, run.works, run.late = len(run.expected), set(), 0, [], False
+            run.issued = False
         self.next = 0
         self.start_s = time.perf_counter()
 
     def on_grad(self, k: int, i: int) -> None:
         with self.lock:
             run = self.buckets[k]
+            if run.layouts:
+                run.copy_in(i)
             run.fired.add(i)
             if i in run.expected:
                 run.pending -= 1
@@ -294,15 +439,21 @@ class GradientSync:
         """Issue the bucket's first stage (its lane's earlier buckets all have: launch order)."""
         run.launched_s = time.perf_counter() - self.start_s
         run.state = [None] * len(run.buffers)
+        if run.layouts:  # a bucket none of whose gradients came on this rank: zero summands
+            run.buffers = [b if b is not None else run.params[0].new_zeros(l.size, dtype=p.dtype)
+                           for b, l, p in zip(run.buffers, run.layouts, run._firsts())]
+            run.state = list(run.layouts)
         self.next += 1
         self._issue(run)
 
     def _issue(self, run: BucketRun) -> None:
-        _, issue = _stages(run.spec.variant)[run.stage]
-        group = self.lanes[(run.spec.variant, run.spec.axis, run.stage)]
+        stages = _stages(run.spec.kind, run.spec.variant)
+        _, issue = stages[run.stage]
+        group = self.lanes[(run.spec.kind, run.spec.variant, run.spec.axis, run.stage)]
         pairs = [issue(flat, state, group) for flat, state in zip(run.buffers, run.state)]
-        run.works, run.state = [Pending(w) for w, _ in pairs], [s for _, s in pairs]
-        if run.stage + 1 < len(_stages(run.spec.variant)):  # a later stage waits for this one
+        run.works = [Pending(w) for work, _ in pairs for w in (work if isinstance(work, list) else [work])]
+        run.state, run.issued = [s for _, s in pairs], True
+        if run.stage + 1 < len(stages):  # a later stage waits for this one
             for p in run.works:
                 p.then(self._on_stage_done)
 
@@ -310,15 +461,16 @@ class GradientSync:
         """Complete the stages whose work is done and issue each bucket's next stage, a lane's
         buckets strictly in index order (a bucket waits while an earlier one of its lane has
         not issued that stage yet)."""
-        waiting: set[tuple[str, str, int]] = set()   # lanes where an earlier bucket is behind
+        waiting: set[Lane] = set()   # lanes where an earlier bucket is behind
         for run in self.buckets[:self.next]:
-            if run.works and all(f.done() for f in run.works):
+            if run.issued and all(f.done() for f in run.works):
                 self._complete(run)
-            variant, axis, n = run.spec.variant, run.spec.axis, len(_stages(run.spec.variant))
-            if not run.works and run.stage < n and (variant, axis, run.stage) not in waiting:
+            kind, variant, axis = run.spec.kind, run.spec.variant, run.spec.axis
+            n = len(_stages(kind, variant))
+            if not run.issued and run.stage < n and (kind, variant, axis, run.stage) not in waiting:
                 self._issue(run)
-            issued = run.stage if run.works else run.stage - 1
-            waiting |= {(variant, axis, s) for s in range(issued + 1, n)}
+            issued = run.stage if run.issued else run.stage - 1
+            waiting |= {(kind, variant, axis, s) for s in range(issued + 1, n)}
 
     def _complete(self, run: BucketRun) -> None:
         """Take a finished stage."""
@@ -328,16 +480,24 @@ class GradientSync:
             except Exception as err:
                 spec = run.spec
                 raise GradientSyncError(
-                    f"gradient sync of bucket {spec.index} ({spec.variant} all_reduce over {spec.axis}, "
+                    f"gradient sync of bucket {spec.index} ({spec.variant} {spec.kind} over {spec.axis}, "
                     f"{run.nbytes / 2**20:.2f} MiB, stage {run.stage}) failed on rank {self.rank}: "
                     f"{type(err).__name__}: {err}") from err
-        run.works = []
+        run.works, run.issued = [], False
         run.stage += 1
-        if run.stage == len(_stages(run.spec.variant)):
+        if run.stage < len(_stages(run.spec.kind, run.spec.variant)):
+            return
+        if run.layouts:  # this rank's rows, exactly (no padding), and the copy-in buffer freed
+            for d, (layout, out) in enumerate(run.state):
+                mine = out[:layout.lengths[layout.span.index]].clone()
+                members = [p for p in run.params if p.dtype == run._firsts()[d].dtype]
+                run.row_grads.update({id(p): v for p, v in zip(members, layout.views(mine))})
+            run.buffers, run.state = [None] * len(run.layouts), []
+        else:
             for flat, result in zip(run.buffers, run.state):
                 if result is not flat:
                     flat.copy_(result[:flat.numel()])
-            run.done_s = time.perf_counter() - self.start_s
+        run.done_s = time.perf_counter() - self.start_s
 
     def finish(self) -> list[BucketTiming]:
         """Launch the buckets left (late), in order; complete every stage; timings."""
@@ -362,7 +522,7 @@ class GradientSync:
                 if self.error is not None:
                     raise self.error
                 self._drive()
-                if run.stage == len(_stages(run.spec.variant)):
+                if run.stage == len(_stages(run.spec.kind, run.spec.variant)):
                     return
                 pending = list(run.works)
             for p in pending:
@@ -372,4 +532,5 @@ class GradientSync:
                     pass
 
 
-__all__ = ["BucketRun", "BucketTiming", "GradientSync", "GradientSyncError", "STAGES", "lane_groups"]
+__all__ = ["BucketRun", "BucketTiming", "GradientSync", "GradientSyncError", "RowsLayout", "SCATTER_STAGES", "STAGES",
+           "lane_groups"]

@@ -123,6 +123,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 def measure_step(trainer: Any, run_step: Callable[[], Any]) -> RankMemory:
     """Run one step (`run_step`) of `trainer` (runtime.train.Trainer) under the meters."""
     params = list(trainer.program.module.parameters())
+    params += trainer.zero.leaves() if trainer.zero is not None else []  # views, or (ZeRO-2) with row gradients
     meter, grads = SavedTensorMeter(exclude=params), [0]
     cuda = trainer.device.type == "cuda"
     if cuda:

@@ -93,7 +93,7 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     buffers = {k: v for k, v in state.items() if k not in _param_names(spec)}
     del state  # no rank keeps whole copies of the parameters
     sync = _gradient_sync(plan, program, groups)
-    zero = ZeroState.build(program.module, plan, groups)
+    zero = ZeroState.build(program.module, plan, groups, sync)
     params = list(program.module.parameters())
     optimizer = make_optimizer(zero.optimizer_params(params) if zero is not None else params, config)
     return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers, sync=sync,
@@ -102,7 +102,8 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
 
 def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
     buckets = plan.buckets()
-    return GradientSync.build(program.module, buckets, groups) if buckets else None
+    rows = plan.state_shards.rows if plan.state_shards is not None else None
+    return GradientSync.build(program.module, buckets, groups, rows) if buckets else None
 
 
 def _param_names(spec: ModelSpec) -> set[str]:
@@ -149,18 +150,21 @@ def counts_once(groups: Groups, layout: Layout) -> bool:
 
 
 def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
-    """Scale every gradient by max_norm / (||g|| + 1e-6) when that is below 1; returns ||g||."""
+    """Scale every gradient by max_norm / (||g|| + 1e-6) when that is below 1; returns ||g||.
+    A ZeRO-2 gradient is held as rows (runtime.zero): each rank counts its own rows."""
     module = trainer.program.module
     params = [(p, getattr(module, p.name).grad) for p in trainer.program.params]
-    replicated = not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
+    rows = trainer.zero.row_grads() if trainer.zero is not None else []
+    replicated = not rows and not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
     counted = [g for p, g in params if g is not None and (replicated or counts_once(trainer.groups, p.layout))]
+    counted += rows
     norms = torch._foreach_norm(counted, 2.0, dtype=torch.float64) if counted else []
     total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
     if not replicated:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
     norm = float(total.sqrt())
     scale = max_norm / (norm + 1e-6)
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [p.grad for p in module.parameters() if p.grad is not None] + rows
     if scale < 1.0 and grads:
         torch._foreach_mul_(grads, scale)
     return norm
@@ -195,12 +199,12 @@ def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) 
     marks.append(("backward", time.perf_counter()))
     buckets = trainer.sync.finish() if trainer.sync is not None else []
     marks.append(("gradient_sync", time.perf_counter()))
+    if trainer.zero is not None:  # the leaves' gradients: views of the whole ones, or (ZeRO-2) the rows
+        trainer.zero.before_step()
     if trainer.on_gradients is not None:
         trainer.on_gradients()
     if trainer.config.max_grad_norm is not None:
         clip_global_norm(trainer, trainer.config.max_grad_norm)
-    if trainer.zero is not None:
-        trainer.zero.before_step()
     trainer.optimizer.step()
     if trainer.zero is not None:
         trainer.zero.after_step()

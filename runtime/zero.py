@@ -1,4 +1,4 @@
-"""ZeRO-1 on one rank: the optimizer updates only this rank's rows of each ZeRO-1 parameter.
+"""ZeRO-1 and ZeRO-2 on one rank: the optimizer updates only this rank's rows of each parameter.
 
 A ZeRO-1 parameter (instruction_set.training_state; rows per rank in the plan's
 `state_shards`) stays whole in the module; its gradient is all-reduced whole as for any
@@ -14,6 +14,11 @@ of every rank's rows (flattened, rank-major: [rank 0: p1 rows | p2 rows | ...][r
 uneven lengths, the plan's variant: padded, grouped or ring, runtime.collectives.gather) and a
 copy-out give every rank the whole updated parameters again. A rank with no rows holds an
 empty leaf: AdamW steps empty tensors, and the all-gather handles zero-length shards.
+
+A ZeRO-2 parameter's gradient never exists whole after the backward: its bucket
+reduce-scatters it onto the rows (runtime.grad_sync, kind reduce_scatter), and the leaf's
+gradient is this rank's rows of the sum (`GradientSync.row_grad`); the module's parameter has
+no gradient. Clipping counts those rows on every rank (each rank holds distinct rows).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import torch
 from torch import nn
 
 from instruction_set.plan import Plan
+from instruction_set.training_state import TrainingState
 from runtime.collectives import COLLECTIVE_VARIANTS, Span
+from runtime.grad_sync import GradientSync
 from runtime.groups import Groups
 
 
@@ -33,6 +40,7 @@ class RowShard:
     param: nn.Parameter       # the whole parameter in the module
     leaf: nn.Parameter        # this rank's rows: what the optimizer holds
     rows: tuple[int, ...]     # every rank's rows
+    grad_rows: bool = False   # ZeRO-2: the gradient is reduce-scattered onto the rows
 
     def offset(self, rank: int) -> int:
         return sum(self.rows[:rank])
@@ -41,22 +49,25 @@ class RowShard:
 class ZeroState:
     """The ZeRO-1 parameters of one rank (module docstring)."""
 
-    def __init__(self, shards: list[RowShard], span: Span, variant: str) -> None:
-        self.shards, self.span, self.variant = shards, span, variant
+    def __init__(self, shards: list[RowShard], span: Span, variant: str, sync: GradientSync | None = None) -> None:
+        self.shards, self.span, self.variant, self.sync = shards, span, variant, sync
         self.by_param = {id(s.param): s for s in shards}
 
     @staticmethod
-    def build(module: nn.Module, plan: Plan, groups: Groups) -> "ZeroState | None":
+    def build(module: nn.Module, plan: Plan, groups: Groups, sync: GradientSync | None = None) -> "ZeroState | None":
+        """`sync`: the gradient buckets, which hold the ZeRO-2 parameters' rows of the gradient."""
         if plan.state_shards is None:
             return None
         rank = groups.rank
+        zero2 = {i.tensor for i in plan.instructions if i.kind == "param" and i.state == TrainingState.ZERO2}
+        assert not zero2 or sync is not None, "ZeRO-2 parameters need the gradient buckets"
         shards = []
         for name, rows in plan.state_shards.rows.items():
             param = getattr(module, name)
             start = sum(rows[:rank])
             leaf = nn.Parameter(param.data.narrow(0, start, rows[rank]), requires_grad=param.requires_grad)
-            shards.append(RowShard(name, param, leaf, rows))
-        return ZeroState(shards, groups.span("all"), plan.state_shards.variant)
+            shards.append(RowShard(name, param, leaf, rows, name in zero2))
+        return ZeroState(shards, groups.span("all"), plan.state_shards.variant, sync)
 
     def optimizer_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters to optimise: each ZeRO-1 parameter replaced by its rows' leaf."""
@@ -68,11 +79,22 @@ class ZeroState:
         return param if shard is None else shard.leaf
 
     def before_step(self) -> None:
-        """Each leaf's gradient: its rows of the synchronised whole gradient (a view)."""
+        """Each leaf's gradient: its rows of the synchronised whole gradient (a view; ZeRO-2:
+        the reduce-scattered rows)."""
         rank = self.span.index
         for s in self.shards:
+            if s.grad_rows:
+                s.leaf.grad = self.sync.row_grad(s.param) if self.sync is not None else None
+                continue
             g = s.param.grad
             s.leaf.grad = None if g is None else g.narrow(0, s.offset(rank), s.rows[rank])
+
+    def row_grads(self) -> list[torch.Tensor]:
+        """The ZeRO-2 leaves' gradients (this rank's rows; set by before_step)."""
+        return [s.leaf.grad for s in self.shards if s.grad_rows and s.leaf.grad is not None]
+
+    def leaves(self) -> list[nn.Parameter]:
+        return [s.leaf for s in self.shards]
 
     def after_step(self) -> None:
         """All-gather every rank's updated rows and copy them into the whole parameters."""

@@ -14,14 +14,14 @@ from hetsynth.trace import predicted_step
 from instruction_set.cluster import load_cluster
 from instruction_set.plan import Plan, load_plan, save_plan
 from instruction_set.training_state import TrainingState
-from planner.planner import DP_SEED, make_plan, with_zero1
+from planner.planner import DP_SEED, make_plan, with_zero, with_zero1
 from planner.problem import Problem
 from planner.zero import solve_state_ratios, with_states, zero_candidates
 from test_parity import check, make
 
 
-def zero_params(plan: Plan) -> list[str]:
-    return [i.tensor for i in plan.instructions if i.kind == "param" and i.state == TrainingState.ZERO1]
+def zero_params(plan: Plan, state: TrainingState = TrainingState.ZERO1) -> list[str]:
+    return [i.tensor for i in plan.instructions if i.kind == "param" and i.state == state]
 
 
 @pytest.mark.parametrize("ref, ratios, q", [
@@ -38,6 +38,25 @@ def test_zero1_matches_single_device(pools, ref: str, ratios: list[float], q: li
     if 0.0 in q:
         assert all(r[q.index(0.0)] == 0 for r in rows.values())   # a rank with no optimizer state
     predicted_step(plan)  # the trace lays out the post-step gather as the prediction does
+    check(pools, plan)
+
+
+@pytest.mark.parametrize("ref, ratios, q, scatter", [
+    ("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7], "padded"),
+    ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4], "grouped"),
+    ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0], "grouped"),
+    ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1], "padded"),
+])
+def test_zero2_matches_single_device(pools, ref: str, ratios: list[float], q: list[float], scatter: str) -> None:
+    """ZeRO-2: gradients reduce-scattered onto uneven rows (a rank with none) in buckets of
+    kind reduce_scatter, at either variant; 5 AdamW steps with clipping as on one device."""
+    plan = with_zero(make(ref, ratios, DP_SEED), q, TrainingState.ZERO2, scatter)
+    assert plan.state_shards.scatter_variant == scatter
+    zero2 = zero_params(plan, TrainingState.ZERO2)
+    assert zero2 and set(plan.state_shards.rows) == set(zero2)
+    scattered = [p for b in plan.buckets() if b.kind == "reduce_scatter" for p in b.params]
+    assert sorted(scattered) == sorted(zero2)
+    predicted_step(plan)
     check(pools, plan)
 
 
@@ -88,11 +107,29 @@ def test_planner_shards_state_when_memory_binds(pools, tmp_path: Path) -> None:
     cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
     plan = make_plan(plain.graph, cluster, ratios=[0.7, 0.3], progress=False, with_baselines=False,
                      restrictions=DP_SEED)
-    assert plan.predicted.fits and zero_params(plan) and plan.state_shards is not None
+    assert plan.predicted.fits and plan.state_shards is not None  # ZeRO-1, or ZeRO-2 if faster
     assert max(d.state_gib for d in plan.predicted.devices) < dev.state_gib
     save_plan(plan, tmp_path / "zero.json")
     assert load_plan(tmp_path / "zero.json") == plan
     check(pools, plan)
+
+
+def test_planner_shards_gradients_where_optimizer_state_is_not_enough() -> None:
+    """Memory that ZeRO-1 cannot meet without recomputation (it frees at most the Adam
+    moments' share, a quarter of the state at even rows) but ZeRO-2 can (three quarters of it
+    at even rows): the planner takes ZeRO-2, and `hetsynth plan` says so."""
+    from hetsynth.report import plan_summary_text
+
+    plain = make("gpt:tiny,dtype=float64", [0.5, 0.5], DP_SEED)
+    dev = plain.predicted.devices[0]
+    cap = dev.memory_gib - 0.33 * dev.state_gib
+    kinds = {k: v.model_copy(update={"memory_gib": cap}) for k, v in plain.cluster.device_kinds.items()}
+    cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
+    plan = make_plan(plain.graph, cluster, ratios=[0.5, 0.5], progress=False, with_baselines=False,
+                     restrictions=DP_SEED)
+    assert plan.predicted.fits and zero_params(plan, TrainingState.ZERO2) and not zero_params(plan)
+    assert {b.kind for b in plan.buckets()} == {"reduce_scatter"}
+    assert "ZeRO-2 for" in plan_summary_text(plan)
 
 
 def test_checkpoint_under_zero1_holds_whole_state_and_resumes(pools, tmp_path: Path) -> None:
