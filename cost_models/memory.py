@@ -3,7 +3,8 @@
     memory_i = state_i + saved_i
     state_i  = sum_params bytes_p * (1 param + 1 grad + 2 Adam moments) * s_p,i
              (a ZeRO-1 parameter: bytes_p * (2 + 2 q_i), q_i the device's state ratio;
-              ZeRO-2: bytes_p * (1 + 3 q_i), the gradient on the rows too)
+              ZeRO-2: bytes_p * (1 + 3 q_i), the gradient on the rows too; ZeRO-3: bytes_p * 4 q_i,
+              the parameter too, plus its whole bytes twice (W and dW) while one use runs)
     saved_i  = sum_ops sum_{t saved by op} bytes_t * s_t,i     (tensors kept for the backward pass)
 
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
@@ -13,7 +14,8 @@ dtype for all four copies). The saved tensors are autograd's own, probed at capt
 scales with the layout the op's rule gives it, a buffer of the op's own (a mask, a
 logsumexp) with the rule's share. A graph captured without the probe falls back to the
 outputs of non-view ops through which a gradient flows (an upper bound).
-`MemoryTerm.part` keeps the two sums apart (the plan's prediction reports both;
+`MemoryTerm.part` keeps the two sums apart (and a third, transient working sets such as
+ZeRO-3's gathered parameter, counted in the total only) (the plan's prediction reports both;
 runtime.memory_report checks them against a run).
 """
 
@@ -38,7 +40,8 @@ class MemoryTerm:
 
     fixed: tuple[float, ...]
     per_share: tuple[float, ...]
-    part: Literal["state", "saved"] = "saved"  # training state, or tensors saved for backward
+    part: Literal["state", "saved", "working"] = "saved"  # training state, tensors saved for backward, or a
+    # transient working set (ZeRO-3's gathered parameter and its gradient during one use): in the total only
 
     def per_device(self, shares: Sequence[float]) -> list[float]:
         return [f + p * s for f, p, s in zip(self.fixed, self.per_share, shares)]
@@ -55,9 +58,11 @@ def param_memory(nbytes: float, sharded: bool, n: int) -> MemoryTerm:
 def zero_memory(nbytes: float, n: int, stage: int) -> MemoryTerm:
     """A ZeRO-`stage` parameter: ZeRO-1 keeps the parameter and its gradient whole and the
     optimizer's copies (OPTIMIZER_COPIES - 2) on the device's share of the rows (its state
-    ratio); ZeRO-2 keeps the gradient on the rows too. (ZeRO-2's transient whole gradients,
-    from the backward that makes one to its bucket's copy-in, are not counted: held state only.)"""
-    whole = {1: 2, 2: 1}[stage]
+    ratio); ZeRO-2 keeps the gradient on the rows too; ZeRO-3 the parameter too. (The
+    transient whole tensors, ZeRO-2's gradients until their bucket's copy-in and ZeRO-3's
+    gathered parameter and its gradient during one use, are not counted here: held state
+    only; planner.step_cost adds ZeRO-3's largest working set.)"""
+    whole = {1: 2, 2: 1, 3: 0}[stage]
     return MemoryTerm((whole * nbytes,) * n, ((OPTIMIZER_COPIES - whole) * nbytes,) * n, "state")
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from cost_models.terms import Cost, Form, seconds
 from instruction_set.plan import Plan, PlanError
 from instruction_set.program import Instruction
+from instruction_set.training_state import TrainingState
 
 COMPUTE, COMMUNICATION, WAIT, PHASES, GRADIENT_SYNC = 1, 2, 3, 4, 5
 LANES = {COMPUTE: "compute", COMMUNICATION: "communication", WAIT: "wait", PHASES: "step phases",
@@ -164,11 +165,15 @@ def predicted_step(plan: Plan) -> PredictedStep:
             times[index] = InstructionTimes(index, instruction_name(plan, index), lane_of(ins), expand(per_class),
                                             max(per_class), instruction_args(plan, index, pb.meta(ins.tensor).nbytes))
     share = {i: forward_share(pb, plan.instructions[i]) for i in times}
-    steps = [i for i in times if plan.instructions[i].kind != "param"]
-    placed, t = _place([(times[i], share[i]) for i in steps], 0.0)
+    gathers = _zero3_times(plan, pb)  # ZeRO-3: index of the param -> (its forward gathers, its backward)
+    steps = [i for i in range(len(plan.instructions)) if i in gathers or (i in times and plan.instructions[i].kind != "param")]
+    placed, t = _place([(gathers[i][0], 1.0) if i in gathers else (times[i], share[i]) for i in steps], 0.0)
     done: dict[int, float] = {}
     for i in range(len(plan.instructions) - 1, -1, -1):
-        if i in share and plan.instructions[i].kind != "param":
+        if i in gathers:
+            more, t = _place([(gathers[i][1], 1.0)], t)
+            placed += more
+        elif i in share and plan.instructions[i].kind != "param":
             more, t = _place([(times[i], backward_share(pb, plan.instructions[i]))], t)
             placed += more
         done[i] = t
@@ -180,9 +185,30 @@ def predicted_step(plan: Plan) -> PredictedStep:
     scalars = [_scalar_times(term, plan.cluster.num_devices)
                for term in state_gather_terms(pb, plan.instructions) + scalar_terms(pb, plan.instructions)]
     tail, t = _place([(s, 1.0) for s in scalars], t)
-    step = PredictedStep(list(times.values()) + scalars, placed + updates + tail, buckets, sync_wait, t)
+    extra = [x for pair in gathers.values() for x in pair]
+    step = PredictedStep(list(times.values()) + extra + scalars, placed + updates + tail, buckets, sync_wait, t)
     _check_totals(plan, step)
     return step
+
+
+def _zero3_times(plan: Plan, pb: Any) -> dict[int, tuple[InstructionTimes, InstructionTimes]]:
+    """Each ZeRO-3 parameter's gathers at its uses (forward) and regathers with reduce-scatters
+    (backward), at the param instruction's place (planner.step_cost.zero3_forms)."""
+    from planner.step_cost import zero3_forms
+
+    out = {}
+    for index, ins in enumerate(plan.instructions):
+        if ins.kind == "param" and ins.state == TrainingState.ZERO3:
+            nbytes = pb.meta(ins.tensor).nbytes
+            args = {**instruction_args(plan, index, nbytes), "variant": plan.state_shards.variant}
+            pair = []
+            for form, what in zip(zero3_forms(pb, plan.instructions, ins.tensor),
+                                  ("all_gather (ZeRO-3, each use)", "all_gather + reduce_scatter (ZeRO-3, backward)")):
+                per_class = _per_class_seconds(form, plan, index)
+                pair.append(InstructionTimes(index, f"{what} {ins.tensor}", COMMUNICATION,
+                                             tuple(pb.devices.expand(per_class)), max(per_class), args))
+            out[index] = (pair[0], pair[1])
+    return out
 
 
 def _place(items: list[tuple[InstructionTimes, float]], start_s: float) -> tuple[list[Placed], float]:

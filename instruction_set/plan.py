@@ -51,8 +51,9 @@ PLAN_CHANGES: dict[int, str] = {
        "the all-gather variant); a version-2 or -3 plan reads as a version-4 one with every state replicated",
     5: "fused collective-matmul instructions ag_matmul and matmul_rs (variants ring, sliced2, sliced4; issue 18); "
        "plans of versions 2 to 4 read unchanged",
-    6: "training state zero2 (ZeRO stage 2: gradients reduce-scattered onto the state rows), a gradient bucket "
-       "has a kind (all_reduce, or reduce_scatter for zero2 parameters) and state_shards a scatter_variant; "
+    6: "training states zero2 (ZeRO stage 2: gradients reduce-scattered onto the state rows) and zero3 (stage 3: "
+       "the parameter stored as rows, gathered at each use; its gradient sync is in no bucket), a gradient "
+       "bucket has a kind (all_reduce, or reduce_scatter for zero2 parameters) and state_shards a scatter_variant; "
        "plans of versions 2 to 5 read unchanged",
 }
 

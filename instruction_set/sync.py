@@ -22,7 +22,8 @@ b: the earliest first use among its parameters. `nbytes[b]` is the bucket's size
 that holds the most (an `R|S(d)` parameter is all-reduced across nodes and its local shard
 differs between local indices: each cross-node group reduces its own size).
 
-A ZeRO-2 parameter's gradient (instruction_set.training_state) is reduce-scattered onto every
+A ZeRO-3 parameter's gradient is in no bucket (it is reduce-scattered at each use, in the
+backward). A ZeRO-2 parameter's gradient (instruction_set.training_state) is reduce-scattered onto every
 rank's state rows instead of all-reduced: its sync goes into buckets of kind `reduce_scatter`
 (variant: the plan's `state_shards.scatter_variant`), kept apart from the all-reduce buckets
 as another (axis, kind, variant) is, and assigned by the same rule.
@@ -116,6 +117,12 @@ def local_nbytes(graph: ReferenceGraph, shards: Mapping, name: str, layout: Layo
     return math.prod(shape) * meta.nbytes // max(math.prod(meta.shape), 1)
 
 
+def unbucketed(program: Sequence[Instruction]) -> set[str]:
+    """Parameters whose gradient sync is no bucket's: ZeRO-3's, reduce-scattered at each use
+    in the backward (runtime.zero3)."""
+    return {i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO3}
+
+
 def sync_messages(bucket: GradBucket, group_size: int) -> int:
     """Asynchronous collectives one bucket issues: an all-reduce's stages (SYNC_MESSAGES); a
     reduce-scatter one (padded) or one reduce per member (grouped)."""
@@ -141,8 +148,9 @@ def assign_buckets(graph: ReferenceGraph, program: Sequence[Instruction], shards
         if cap is not None and cap < 1:
             raise ValueError(f"{what} {cap} bytes: must be at least 1")
     zero2 = {i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO2}
+    zero3 = unbucketed(program)
     uses = first_uses(graph, program)
-    syncs = [i for i in program if i.kind == "all_reduce" and i.phase == "backward"]
+    syncs = [i for i in program if i.kind == "all_reduce" and i.phase == "backward" and i.tensor not in zero3]
     for ins in syncs:  # read by no compute instruction: ready only at the end of the backward
         uses.setdefault(ins.tensor, (-1, ""))
     syncs.sort(key=lambda i: (-uses[i.tensor][0], i.tensor))
@@ -177,8 +185,9 @@ def _lane_buckets(lane: list, cap: int, first_cap: int | None, last_cap: int | N
 
 
 def check_buckets(sync: GradientSync, program: Sequence[Instruction]) -> None:
-    """Every backward all-reduce of the program in exactly one bucket, and nothing else."""
-    want = sorted(i.tensor for i in program if i.kind == "all_reduce" and i.phase == "backward")
+    """Every backward all-reduce of the program in exactly one bucket (but ZeRO-3's), and nothing else."""
+    zero3 = unbucketed(program)
+    want = sorted(i.tensor for i in program if i.kind == "all_reduce" and i.phase == "backward" and i.tensor not in zero3)
     got = sorted(p for b in sync.buckets for p in b.params)
     if got != want:
         raise ValueError(f"gradient buckets hold {got} but the program all-reduces the gradients of {want}")
@@ -195,4 +204,4 @@ def gradient_sync(graph: ReferenceGraph, program: Sequence[Instruction], shards:
 
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "SYNC_MESSAGES", "GradBucket", "GradientSync", "assign_buckets", "check_buckets", "first_uses",
-           "gradient_sync", "local_nbytes", "sync_messages"]
+           "gradient_sync", "local_nbytes", "sync_messages", "unbucketed"]

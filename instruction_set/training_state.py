@@ -10,8 +10,12 @@
                 device's rows (a gradient bucket of kind reduce_scatter, instruction_set.sync),
                 so a device holds the whole gradient only until its bucket is copied in; each
                 device updates its rows, and the same post-step all-gather follows
+    ZERO3       the parameter sharded too (stage 3, FSDP): a device stores only its rows of the
+                parameter; the whole parameter is all-gathered at each op that uses it and
+                released after, gathered again in the backward, and its gradient is
+                reduce-scattered onto the rows there (runtime.zero3); no post-step all-gather
 
-A ZERO1 or ZERO2 parameter's rows per rank (`StateShards.rows`) come from the plan's state ratios q (one
+A ZERO1, ZERO2 or ZERO3 parameter's rows per rank (`StateShards.rows`) come from the plan's state ratios q (one
 per device, chosen from each device's free memory and speed, planner.zero) by largest
 remainder, once, in the plan; a rank may hold zero rows. Rows of dim 0, not flat ranges:
 a rank's rows are contiguous in the parameter, so its optimizer's shard is a view of the
@@ -33,23 +37,25 @@ class TrainingState(StrEnum):
     REPLICATED = "replicated"
     ZERO1 = "zero1"
     ZERO2 = "zero2"
+    ZERO3 = "zero3"
 
 
-SHARDED_STATES = frozenset({TrainingState.ZERO1, TrainingState.ZERO2})
+SHARDED_STATES = frozenset({TrainingState.ZERO1, TrainingState.ZERO2, TrainingState.ZERO3})
+GATHERED_AFTER_STEP = frozenset({TrainingState.ZERO1, TrainingState.ZERO2})  # whole parameters, rows updated
 # the gradient reduce-scatter variants the bucketed gradient sync issues asynchronously
 # (runtime.grad_sync: ring's chain of point-to-point steps is not among them)
 SCATTER_VARIANTS = ("padded", "grouped")
 
 
 class StateShards(BaseModel):
-    """The state ratios q (per device) and every ZERO1/ZERO2 parameter's rows per rank."""
+    """The state ratios q (per device) and every ZERO1/2/3 parameter's rows per rank."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ratios: tuple[float, ...]
     rows: dict[str, tuple[int, ...]]
-    variant: str = "padded"  # of the post-step all-gather of the rows (instruction_set.kinds: all_gather's)
-    scatter_variant: str = "padded"  # of the ZERO2 gradients' reduce-scatter buckets (SCATTER_VARIANTS)
+    variant: str = "padded"  # of the post-step all-gather of the rows, and ZERO3's gathers (all_gather's)
+    scatter_variant: str = "padded"  # of the ZERO2/3 gradients' reduce-scatter (SCATTER_VARIANTS)
 
     def offset(self, tensor: str, rank: int) -> int:
         return sum(self.rows[tensor][:rank])
@@ -61,7 +67,7 @@ def state_rows(ratios: Sequence[float], dim0: int) -> tuple[int, ...]:
 
 
 def check_state_shards(shards: StateShards, num_devices: int, dims0: dict[str, int | None]) -> None:
-    """Raise ValueError unless every ZERO1/ZERO2 parameter (`dims0`: its dim 0, None if scalar) has
+    """Raise ValueError unless every ZERO1/2/3 parameter (`dims0`: its dim 0, None if scalar) has
     rows for every device summing to its dim 0, and no other tensor has rows."""
     if shards.variant not in instruction_kind("all_gather").variants:
         raise ValueError(f"state_shards.variant {shards.variant!r}: use one of "
@@ -72,7 +78,7 @@ def check_state_shards(shards: StateShards, num_devices: int, dims0: dict[str, i
         raise ValueError(f"state_shards.ratios has {len(shards.ratios)} entries for {num_devices} devices")
     extra = sorted(set(shards.rows) - set(dims0))
     if extra:
-        raise ValueError(f"state_shards has rows for {extra[:3]}, which are no zero1 or zero2 parameters")
+        raise ValueError(f"state_shards has rows for {extra[:3]}, which are no zero1, zero2 or zero3 parameters")
     for tensor, dim0 in dims0.items():
         rows = shards.rows.get(tensor)
         if dim0 is None:
@@ -82,4 +88,4 @@ def check_state_shards(shards: StateShards, num_devices: int, dims0: dict[str, i
                              f"{num_devices} lengths >= 0 summing to {dim0}")
 
 
-__all__ = ["SCATTER_VARIANTS", "SHARDED_STATES", "StateShards", "TrainingState", "check_state_shards", "state_rows"]
+__all__ = ["GATHERED_AFTER_STEP", "SCATTER_VARIANTS", "SHARDED_STATES", "StateShards", "TrainingState", "check_state_shards", "state_rows"]

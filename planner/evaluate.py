@@ -66,7 +66,7 @@ def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -
 @TERMS.implements("param")
 def _param_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
     if ins.state in SHARDED_STATES:  # the update on the device's rows; state at q (held fixed in the ratio LP)
-        stage = 2 if ins.state == TrainingState.ZERO2 else 1
+        stage = {TrainingState.ZERO1: 1, TrainingState.ZERO2: 2, TrainingState.ZERO3: 3}[ins.state]
         return Term.leaf(pb.update_rows_linear(ins.tensor), Shares(pb.state_shares, ShareKind.FIXED), Category.COMPUTE,
                          zero_memory(pb.meta(ins.tensor).nbytes, pb.width, stage))
     mem = param_memory(pb.meta(ins.tensor).nbytes, ins.layout.is_shard, pb.width)

@@ -53,8 +53,8 @@ from planner.recompute import fit_by_recompute
 from planner.fusions import fuse_program, unfuse_program
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
-from planner.zero import (solve_state_ratios, state_shards, with_states, zero_candidates, zero_problem,
-                          zero_stages)
+from planner.zero import (solve_state_ratios, state_shards, with_states, zero3_candidates, zero_candidates,
+                          zero_problem, zero_stages)
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,8 @@ def search_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence
 def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
                 restrictions: Restrictions | None, stats: _Stats, allow_zero: bool = True) -> Candidate | None:
     """`candidate` made to fit in memory, the fastest of: its replicated parameters' training
-    state sharded in rows (ZeRO-1: the optimizer state; ZeRO-2: the gradient too; planner.zero),
+    state sharded in rows (ZeRO-1: the optimizer state; ZeRO-2: the gradient too; ZeRO-3: the
+    parameter too; planner.zero),
     each with the fewest blocks recomputed that then fit if needed; and the fewest blocks
     recomputed without ZeRO. None when none fits."""
     options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
@@ -255,7 +256,7 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     for state in ZERO_STATES if allowed else ():
         zero = zero_problem(candidate.problem, candidate.program, state)
         if zero is None:
-            break
+            continue
         pb, program = zero
         if predict(pb, program_terms(pb, program)).fits:  # memory does not depend on the buckets
             options.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
@@ -270,7 +271,7 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     return best
 
 
-ZERO_STATES = (TrainingState.ZERO1, TrainingState.ZERO2)  # tried where memory binds, in this order
+ZERO_STATES = (TrainingState.ZERO1, TrainingState.ZERO2, TrainingState.ZERO3)  # tried where memory binds
 
 
 def techniques(program: Sequence[Instruction]) -> str:
@@ -473,7 +474,8 @@ def with_zero(plan: Plan, state_ratios: Sequence[float] | None = None,
     variants = {"reduce_scatter": (scatter_variant,)} if scatter_variant else {}
     restrictions = Restrictions(two_level=plan.mesh.two_level, variants=variants)
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
-    program = with_states(plan.instructions, zero_candidates(pb, plan.instructions), state)
+    candidates = zero3_candidates if state == TrainingState.ZERO3 else zero_candidates
+    program = with_states(plan.instructions, candidates(pb, plan.instructions), state)
     q = tuple(_normalise(state_ratios, plan.cluster)) if state_ratios is not None else \
         solve_state_ratios(pb, program)[0]
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions, state_ratios=q)

@@ -56,12 +56,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.linear_cost import LinearCost
+from cost_models.memory import MemoryTerm
 from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
 from instruction_set.kinds import Category, Phase
 from instruction_set.kinds import kind as instruction_kind
 from instruction_set.plan import Prediction
 from instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
-from instruction_set.training_state import SCATTER_VARIANTS, SHARDED_STATES, TrainingState
+from instruction_set.training_state import GATHERED_AFTER_STEP, SCATTER_VARIANTS, SHARDED_STATES, TrainingState
 from instruction_set.sync import (DEFAULT_BUCKET_CAP_BYTES, ONE_BUCKET, BucketShape, GradBucket, GradientSync,
                                   assign_buckets, sync_messages)
 from planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
@@ -165,6 +166,9 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         assert isinstance(term.time, Form) or ins.kind in FUSED_MATMULS, "instruction terms are single forms"
         if ins.kind == "param":
             post.append(term)
+            if ins.state == TrainingState.ZERO3:  # gathered at each use, regathered and reduce-scattered in backward
+                ahead_form, backward[-1] = zero3_forms(pb, program, ins.tensor)
+                forward.append(Term(ahead_form))
             continue
         if ins.kind in FUSED_MATMULS:  # Series(forward, backward): planner.fusions
             ahead_cost, backward[-1] = term.time.parts  # type: ignore[union-attr]
@@ -176,7 +180,36 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         if ahead is not None or memory is not None:
             forward.append(Term(ahead if ahead is not None else Series(()), memory,
                                 term.memory_at if memory is not None else None))
+    working = zero3_working_set(pb, program)
+    if working is not None:
+        forward.append(Term(Series(()), working, Shares((1.0,) * pb.width, ShareKind.NONE)))
     return forward, backward, post
+
+
+def zero3_working_set(pb: Problem, program: Sequence[Instruction]) -> MemoryTerm | None:
+    """The largest ZeRO-3 parameter whole twice (W and dW while one use runs; transient: a
+    working set, in the total memory only), or None without ZeRO-3."""
+    sizes = [float(pb.meta(i.tensor).nbytes) for i in program if i.kind == "param" and i.state == TrainingState.ZERO3]
+    if not sizes:
+        return None
+    return MemoryTerm((2.0 * max(sizes),) * pb.width, (0.0,) * pb.width, "working")
+
+
+def zero3_uses(pb: Problem, program: Sequence[Instruction], tensor: str) -> int:
+    """How many compute instructions read a parameter (each gathers a ZeRO-3 one: runtime.zero3)."""
+    return sum(1 for i in program if i.kind == "compute" and tensor in pb.graph.node(i.node).inputs)
+
+
+def zero3_forms(pb: Problem, program: Sequence[Instruction], tensor: str) -> tuple[Form, Form]:
+    """A ZeRO-3 parameter's communication, at the state ratios q, k uses: forward k
+    all-gathers; backward k all-gathers again and k reduce-scatters of the gradient onto the
+    rows (synchronous, on the backward's own thread)."""
+    q, uses = pb.state_shares, zero3_uses(pb, program, tensor)
+    nbytes = float(pb.meta(tensor).nbytes)
+    gather = pb.comm.cost("all_gather", state_gather_variant(pb, program), nbytes, "all", q).scaled(uses)
+    scatter = pb.comm.cost("reduce_scatter", state_scatter_variant(pb, program), nbytes, "all", q).scaled(uses)
+    shares = Shares(q, ShareKind.FIXED)
+    return Form(gather, shares, Category.COMMUNICATION), Form(gather + scatter, shares, Category.COMMUNICATION)
 
 
 def backward_overlap(backward: Sequence[Form | None], ready: Sequence[int], sync: Sequence[Form],
@@ -222,13 +255,14 @@ def state_gather_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term
     return [Term.leaf(cost, Shares(q, ShareKind.FIXED), Category.COMMUNICATION)]
 
 
-def state_gather_bytes(pb: Problem, program: Sequence[Instruction], states=SHARDED_STATES) -> float:
+def state_gather_bytes(pb: Problem, program: Sequence[Instruction], states=GATHERED_AFTER_STEP) -> float:
     return float(sum(pb.meta(i.tensor).nbytes for i in program if i.kind == "param" and i.state in states))
 
 
 def state_gather_variant(pb: Problem, program: Sequence[Instruction]) -> str:
-    """The all-gather variant the model predicts fastest for the ZeRO-1 rows at the state ratios."""
-    nbytes, q = state_gather_bytes(pb, program), pb.state_shares
+    """The all-gather variant the model predicts fastest for the ZeRO rows at the state ratios
+    (the post-step gather of ZeRO-1/2, or ZeRO-3's gathers)."""
+    nbytes, q = state_gather_bytes(pb, program, SHARDED_STATES), pb.state_shares
     return min(instruction_kind("all_gather").variants,
                key=lambda v: pb.comm.cost("all_gather", v, nbytes, "all", q).at(q))
 
@@ -236,7 +270,7 @@ def state_gather_variant(pb: Problem, program: Sequence[Instruction]) -> str:
 def state_scatter_variant(pb: Problem, program: Sequence[Instruction]) -> str:
     """The reduce-scatter variant the model predicts fastest for the ZeRO-2 gradients onto
     the rows at the state ratios (of those the bucketed sync issues: SCATTER_VARIANTS)."""
-    nbytes = state_gather_bytes(pb, program, {TrainingState.ZERO2})
+    nbytes = state_gather_bytes(pb, program, {TrainingState.ZERO2, TrainingState.ZERO3})
     if nbytes == 0.0:
         return SCATTER_VARIANTS[0]
     q = pb.state_shares
@@ -266,7 +300,8 @@ def ready_indices(program: Sequence[Instruction], buckets: Sequence[GradBucket])
 def scalar_terms(pb: Problem, program: Sequence[Instruction]) -> list[Term]:
     """The clipping norm's all-reduce, only when some parameter or gradient is sharded (a
     ZeRO-2 gradient lives on the rows; runtime.train)."""
-    if not any(i.kind == "param" and (i.layout.is_shard or i.state == TrainingState.ZERO2) for i in program):
+    if not any(i.kind == "param" and (i.layout.is_shard or i.state in (TrainingState.ZERO2, TrainingState.ZERO3))
+               for i in program):
         return []
     one = pb.comm.cost("all_reduce", "ring", 8.0).at((1.0 / pb.width,) * pb.width)
     return [Term.leaf(LinearCost.constant(one, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
@@ -310,5 +345,5 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
 
 
 __all__ = ["CAPS_BYTES", "DDP_SHAPE", "LAST_CAPS_BYTES", "plain_shapes", "with_last_caps", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
-           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant", "state_scatter_variant",
+           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant", "state_scatter_variant", "zero3_forms", "zero3_uses", "zero3_working_set",
            "param_shards", "predict_program", "program_terms", "TransferCpu"]

@@ -5,15 +5,20 @@ A ZeRO-1 parameter (instruction_set.training_state) keeps its parameter and grad
 and holds only its rows' optimizer state; the gradient is all-reduced as before, each device
 updates its rows, and one all-gather after the step brings every device the new rows. A
 ZeRO-2 parameter also holds only its rows' gradient: the gradient is reduce-scattered onto
-the rows (instruction_set.sync's reduce_scatter buckets) instead of all-reduced. The
-candidates are the trained parameters stored replicated over every device (layout R): their
+the rows (instruction_set.sync's reduce_scatter buckets) instead of all-reduced. A ZeRO-3
+parameter holds only its rows of the parameter too: it is all-gathered at each use, again in
+the backward, and its gradient reduce-scattered onto the rows there (runtime.zero3); its
+candidates are those read by plain compute instructions only (no SFB, no fused
+collective-matmul, no conversion of the parameter). The candidates are the trained parameters stored replicated over every device (layout R): their
 gradient is all-reduced over all devices, so any device can own any row.
 
 The state LP, at fixed compute ratios r and program (classes c of interchangeable devices,
 n_c devices each; per device of class c: M_c the bytes of everything but the sharded state,
 S the sharded state bytes (OPTIMIZER_COPIES - 2 copies of the parameters under ZeRO-1, - 1
-under ZeRO-2), U_c the seconds to update all ZeRO parameters, G the post-step all-gather's
-seconds at even q plus, under ZeRO-2, the gradients' padded reduce-scatter's, g devices):
+under ZeRO-2, all of them under ZeRO-3), U_c the seconds to update all ZeRO parameters, G the
+padded collectives' seconds at even q: the post-step all-gather's, plus under ZeRO-2 the
+gradients' reduce-scatter's, under ZeRO-3 k uses' two all-gathers and one reduce-scatter;
+g devices):
 
     minimise    t + G g m
     subject to  sum_c n_c q_c = 1,   q_c >= 0
@@ -43,7 +48,7 @@ from instruction_set.training_state import SHARDED_STATES, StateShards, Training
 from planner.evaluate import memory_bytes
 from planner.problem import Problem
 from planner.ratios import MemoryInfeasible, _solver
-from planner.step_cost import program_terms, state_gather_variant, state_scatter_variant
+from planner.step_cost import program_terms, state_gather_variant, state_scatter_variant, zero3_uses
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,13 @@ def zero_candidates(pb: Problem, program: Sequence[Instruction]) -> list[str]:
     """The trained parameters stored whole on every device, with a dim 0 to shard in rows."""
     return [i.tensor for i in program if i.kind == "param" and i.layout is R and pb.requires_grad(i.tensor)
             and pb.meta(i.tensor).shape]
+
+
+def zero3_candidates(pb: Problem, program: Sequence[Instruction]) -> list[str]:
+    """zero_candidates read by plain compute instructions only (runtime.zero3 gathers there)."""
+    other = {i.tensor for i in program if i.kind not in ("param", "compute", "all_reduce")}
+    other |= {t for i in program if i.runs_op and i.kind != "compute" for t in pb.graph.node(i.node).inputs}
+    return [t for t in zero_candidates(pb, program) if t not in other]
 
 
 def with_states(program: Sequence[Instruction], tensors: Sequence[str],
@@ -69,7 +81,7 @@ def zero_tensors(program: Sequence[Instruction], states=SHARDED_STATES) -> list[
 
 def zero_stages(program: Sequence[Instruction]) -> dict[int, int]:
     """ZeRO stage -> how many parameters use it."""
-    stages = {TrainingState.ZERO1: 1, TrainingState.ZERO2: 2}
+    stages = {TrainingState.ZERO1: 1, TrainingState.ZERO2: 2, TrainingState.ZERO3: 3}
     out: dict[int, int] = {}
     for i in program:
         if i.kind == "param" and i.state in stages:
@@ -91,12 +103,13 @@ def state_shards(pb: Problem, program: Sequence[Instruction]) -> StateShards | N
 def _fixed_parts(pb: Problem, program: Sequence[Instruction]) -> tuple[list[float], float, list[float]]:
     """Per class: bytes of everything but the sharded state (M_c); the state bytes S; update
     seconds of all ZeRO parameters on the whole rows (U_c)."""
-    zero = set(zero_tensors(program))
-    zero2 = set(zero_tensors(program, {TrainingState.ZERO2}))
+    whole = {TrainingState.ZERO1: 2, TrainingState.ZERO2: 1, TrainingState.ZERO3: 0}  # copies not on rows
+    states = {i.tensor: i.state for i in program if i.kind == "param" and i.state in SHARDED_STATES}
     probe = Problem(pb.graph, pb.cluster, pb.ratios, pb.restrictions,
                     state_ratios=(0.0,) * pb.cluster.num_devices)
     fixed = memory_bytes(pb.width, program_terms(probe, program))
-    state = float(sum((OPTIMIZER_COPIES - (1 if t in zero2 else 2)) * pb.meta(t).nbytes for t in zero))
+    state = float(sum((OPTIMIZER_COPIES - whole[z]) * pb.meta(t).nbytes for t, z in states.items()))
+    zero = set(states)
     update = [0.0] * pb.width
     for t in zero:
         cost = pb.update_rows_linear(t)
@@ -110,9 +123,7 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
     fixed, state, update = _fixed_parts(pb, program)
     caps = [k.memory_gib * 2**30 for k in pb.kinds]
     counts, g = pb.devices.counts, pb.cluster.num_devices
-    gather = _padded_seconds(pb, "all_gather", float(sum(pb.meta(t).nbytes for t in zero_tensors(program)))) + \
-        _padded_seconds(pb, "reduce_scatter", float(sum(pb.meta(t).nbytes for t in
-                                                        zero_tensors(program, {TrainingState.ZERO2}))))
+    gather = _comm_seconds(pb, program)
     prob, q, t, m = _state_lp(counts, update)
     for c, cap in enumerate(caps):
         prob += fixed[c] + state * q[c] <= cap, f"memory_{c}"
@@ -130,6 +141,16 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
     per_class = [max(0.0, float(v.value() or 0.0)) for v in q]
     total = sum(n * x for n, x in zip(counts, per_class))
     return pb.devices.expand([x / total for x in per_class]), best_s is not None
+
+
+def _comm_seconds(pb: Problem, program: Sequence[Instruction]) -> float:
+    """G of the module docstring: the ZeRO collectives' padded seconds per unit of the largest share."""
+    def nbytes(states: set, per_use: bool = False) -> float:
+        return float(sum(pb.meta(t).nbytes * (zero3_uses(pb, program, t) if per_use else 1)
+                         for t in zero_tensors(program, states)))
+    z3 = {TrainingState.ZERO3}
+    return _padded_seconds(pb, "all_gather", nbytes({TrainingState.ZERO1, TrainingState.ZERO2}) + 2 * nbytes(z3, True)) \
+        + _padded_seconds(pb, "reduce_scatter", nbytes({TrainingState.ZERO2}) + nbytes(z3, True))
 
 
 def _padded_seconds(pb: Problem, kind: str, nbytes: float) -> float:
@@ -163,7 +184,7 @@ def zero_problem(pb: Problem, program: Sequence[Instruction], state: TrainingSta
                  ) -> tuple[Problem, tuple[Instruction, ...]] | None:
     """The program with every candidate at ZeRO stage `state` and the problem at its LP's
     state ratios, or None when there is no candidate."""
-    tensors = zero_candidates(pb, program)
+    tensors = zero3_candidates(pb, program) if state == TrainingState.ZERO3 else zero_candidates(pb, program)
     if not tensors:
         return None
     zero = with_states(program, tensors, state)
@@ -178,4 +199,4 @@ def with_state_ratios(pb: Problem, state_ratios: Sequence[float]) -> Problem:
 
 
 __all__ = ["solve_state_ratios", "state_shards", "with_state_ratios", "with_states", "zero_problem",
-           "zero_candidates", "zero_stages", "zero_tensors"]
+           "zero3_candidates", "zero_candidates", "zero_stages", "zero_tensors"]

@@ -184,11 +184,12 @@ def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None
     ckpt = read_checkpoint(path)
     step = check_resume(ckpt, path, trainer.plan, trainer.config, steps)
     plan, rank, module = trainer.plan, trainer.groups.rank, trainer.program.module
+    zero3 = trainer.zero.zero3() if trainer.zero is not None else set()
     for p in trainer.program.params:
         param = getattr(module, p.name)
         full = ckpt["model"][p.fqn]
-        with torch.no_grad():
-            param.copy_(local_slice(plan, p.name, p.layout, rank, full))
+        with torch.no_grad():  # a ZeRO-3 parameter is held as its rows
+            param.copy_(_rows(plan, p.name, rank, full) if p.name in zero3 else local_slice(plan, p.name, p.layout, rank, full))
         state = ckpt["optimizer"]["state"].get(p.fqn, {})
         zero = p.fqn in _zero_fqns(plan)
         held = trainer.zero.leaf_of(param) if trainer.zero is not None else param

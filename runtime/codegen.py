@@ -5,6 +5,8 @@ Every rank builds its own program from the same Plan; nobody re-runs the search.
 instructions are emitted in order:
 
   param / buffer   the rank's slice of the tensor (its storage layout), held by the module
+                   (a ZeRO-3 parameter: its rows only, gathered by a GatherParamModule call at
+                   each compute op that reads it; runtime.zero3)
   input            a placeholder: the rank's rows of the batch (or all of it, for R)
   compute          the op on local shards, via instruction_set.local.emit_local (the code path
                    the single-process rule tests check), or an SFB linear
@@ -48,12 +50,15 @@ from instruction_set.plan import Plan
 from instruction_set.program import Instruction
 from instruction_set.rules.state import BUFFER_UPDATE
 from instruction_set.shards import MeshLayout
+from instruction_set.training_state import TrainingState
+from runtime.collectives import Span
 from runtime.conversions import make_conversion, span
 from runtime.fused_ops import FusedLinear
 from runtime.groups import Groups
 from runtime.peephole import fuse_cross_entropy
 from runtime.recompute import emit_unit
 from runtime.sfb import SFBLinearModule
+from runtime.zero3 import GatherParamModule, ParamGathers
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class RankProgram:
     ends: list[tuple[int, str]] = field(default_factory=list)  # (instruction index, name of its last fx node)
     # (instruction index, fx node that now does its work): instructions a peephole merged away
     merged: list[tuple[int, str]] = field(default_factory=list)
+    gathers: ParamGathers | None = None  # the ZeRO-3 parameters' gathers (runtime.zero3), if any
 
 
 class FxBuilder:
@@ -121,6 +127,8 @@ class _Emitter:
         self.updates: list[tuple[str, fx.Node]] = []
         self.sfb = {i.node: i for i in plan.instructions if i.kind == "sfb"}
         self.syncs = {i.tensor: i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"}
+        self.zero3: set[str] = set()   # ZeRO-3 parameters: rows, gathered at each use
+        self.gathers = ParamGathers()
 
     def _local_value(self, node: Node, layout: Layout) -> torch.Tensor:
         meta = node.out
@@ -134,6 +142,8 @@ class _Emitter:
     def storage(self, ins: Instruction) -> None:
         node = self.plan.graph.node(ins.tensor)
         value = self._local_value(node, ins.layout)
+        if ins.state == TrainingState.ZERO3:  # only this rank's rows, gathered at each use (runtime.zero3)
+            value = self._zero3_rows(node.name, value)
         if node.op == "param":
             self.root.register_parameter(node.name, nn.Parameter(value, requires_grad=node.out.requires_grad))
             self.params.append(LocalParam(node.name, node.fqn, ins.layout, self.syncs.get(node.name)))
@@ -141,13 +151,31 @@ class _Emitter:
             self.root.register_buffer(node.name, value)
         self.env[(ins.tensor, ins.layout)] = self.graph.get_attr(node.name)
 
+    def _zero3_rows(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        shards = self.plan.state_shards
+        assert shards is not None, f"zero3 parameter {name} without state_shards"
+        rows = shards.rows[name]
+        whole_span = self.groups.span("all")
+        span = Span(whole_span.group, whole_span.members, whole_span.index, 0, rows)
+        self.root.add_module(f"gather_{name}", GatherParamModule(span, shards.variant, shards.scatter_variant,
+                                                                 self.gathers))
+        self.zero3.add(name)
+        return whole.narrow(0, sum(rows[:whole_span.index]), rows[whole_span.index]).clone()
+
+    def _read(self, tensor: str, layout: Layout) -> fx.Node:
+        """A value for a compute op: a ZeRO-3 parameter gathered for this use."""
+        value = self.env[(tensor, layout)]
+        if tensor in self.zero3:
+            return self.graph.call_module(f"gather_{tensor}", (value,))
+        return value
+
     def data_input(self, ins: Instruction) -> None:
         self.inputs.append((ins.tensor, ins.layout))
         self.env[(ins.tensor, ins.layout)] = self.graph.placeholder(ins.tensor)
 
     def compute(self, ins: Instruction) -> None:
         node = self.plan.graph.node(ins.node)
-        values = [self.env[(t, l)] for t, l in zip(node.inputs, ins.inputs)]
+        values = [self._read(t, l) for t, l in zip(node.inputs, ins.inputs)]
         if node.target == BUFFER_UPDATE:
             self.updates.append((node.inputs[0], values[1]))
             out = values[0]
@@ -185,6 +213,9 @@ class _Emitter:
         return self.graph.call_module(name, tuple(values))
 
     def conversion(self, ins: Instruction) -> None:
+        if ins.tensor in self.zero3:
+            raise ValueError(f"cannot run this plan: zero3 parameter {ins.tensor} feeds a {ins.kind}; a ZeRO-3 "
+                             f"parameter must be read by compute ops only")
         name = f"{ins.kind}_{ins.tensor}"
         while hasattr(self.root, name):
             name += "_"
@@ -195,6 +226,9 @@ class _Emitter:
         """ag_matmul / matmul_rs: the linear and its collective as one FusedLinear call
         (runtime.fused_ops); ag_matmul also makes the gathered input available."""
         node = self.plan.graph.node(ins.node)
+        if self.zero3 & set(node.inputs):
+            raise ValueError(f"cannot run this plan: zero3 parameter(s) {sorted(self.zero3 & set(node.inputs))} feed "
+                             f"the fused {ins.kind} {node.name}; a ZeRO-3 parameter must be read by plain compute ops")
         x = node.inputs[0]
         values = [self.env[(x, ins.src)] if i == 0 and ins.kind == "ag_matmul" else self.env[(t, l)]
                   for i, (t, l) in enumerate(zip(node.inputs, ins.inputs))]
@@ -235,7 +269,8 @@ class _Emitter:
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
         return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates],
                            ends=[(k, n) for k, n in ends if n not in into], outputs=self.outputs,
-                           merged=[(k, into[n]) for k, n in ends if n in into])
+                           merged=[(k, into[n]) for k, n in ends if n in into],
+                           gathers=self.gathers if self.zero3 else None)
 
 
 def _emit_one(emitter: _Emitter, ins: Instruction) -> None:

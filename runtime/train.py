@@ -34,6 +34,7 @@ from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.plan import Plan
 from instruction_set.precision import float_everywhere, with_float_dtype
 from instruction_set.shards import MeshLayout
+from instruction_set.training_state import TrainingState
 from runtime.codegen import RankProgram, build_rank_program
 from runtime.config import TrainConfig
 from runtime.grad_sync import BucketTiming, GradientSync
@@ -153,7 +154,8 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     """Scale every gradient by max_norm / (||g|| + 1e-6) when that is below 1; returns ||g||.
     A ZeRO-2 gradient is held as rows (runtime.zero): each rank counts its own rows."""
     module = trainer.program.module
-    params = [(p, getattr(module, p.name).grad) for p in trainer.program.params]
+    zero3 = trainer.zero.zero3() if trainer.zero is not None else set()
+    params = [(p, getattr(module, p.name).grad) for p in trainer.program.params if p.name not in zero3]
     rows = trainer.zero.row_grads() if trainer.zero is not None else []
     replicated = not rows and not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
     counted = [g for p, g in params if g is not None and (replicated or counts_once(trainer.groups, p.layout))]
@@ -164,7 +166,7 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
     norm = float(total.sqrt())
     scale = max_norm / (norm + 1e-6)
-    grads = [p.grad for p in module.parameters() if p.grad is not None] + rows
+    grads = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in zero3] + rows
     if scale < 1.0 and grads:
         torch._foreach_mul_(grads, scale)
     return norm
@@ -190,7 +192,9 @@ def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) 
     marks.append(("data", time.perf_counter()))
     if trainer.sync is not None:
         trainer.sync.begin_step()
-    loss, *new_buffers = trainer.program.module(*inputs)
+    gathers = trainer.program.gathers  # ZeRO-3: gathered parameters released after their use (runtime.zero3)
+    with gathers.releasing() if gathers is not None else contextlib.nullcontext():
+        loss, *new_buffers = trainer.program.module(*inputs)
     total = loss.detach().clone()
     loss_work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"), async_op=True)
     marks.append(("forward", time.perf_counter()))
@@ -297,9 +301,13 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor
     """Whole parameters from every rank's slices (replicated copies must agree)."""
     mesh = plan.mesh
     by_fqn = {n.fqn: n for n in plan.graph.params}
+    zero3 = {i.tensor for i in plan.instructions if i.kind == "param" and i.state == TrainingState.ZERO3}
     out = {}
     for fqn, (layout, _) in per_rank[0].items():
         node = by_fqn[fqn]
+        if node.name in zero3:  # every rank's rows, in rank order
+            out[fqn] = torch.cat([params[fqn][1] for params in per_rank])
+            continue
         full = torch.full(node.out.shape, float("nan"), dtype=per_rank[0][fqn][1].dtype)
         for rank, params in enumerate(per_rank):
             index = [slice(None)] * full.dim()

@@ -19,6 +19,10 @@ A ZeRO-2 parameter's gradient never exists whole after the backward: its bucket
 reduce-scatters it onto the rows (runtime.grad_sync, kind reduce_scatter), and the leaf's
 gradient is this rank's rows of the sum (`GradientSync.row_grad`); the module's parameter has
 no gradient. Clipping counts those rows on every rank (each rank holds distinct rows).
+
+A ZeRO-3 parameter is its rows in the module already (runtime.zero3, runtime.codegen): its
+leaf is the module's parameter, its gradient is on the rows (the gathers' reduce-scatters),
+and there is nothing to gather after the step.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ class RowShard:
     param: nn.Parameter       # the whole parameter in the module
     leaf: nn.Parameter        # this rank's rows: what the optimizer holds
     rows: tuple[int, ...]     # every rank's rows
-    grad_rows: bool = False   # ZeRO-2: the gradient is reduce-scattered onto the rows
+    state: TrainingState = TrainingState.ZERO1
+
+    @property
+    def grad_rows(self) -> bool:
+        """ZeRO-2 and ZeRO-3: the gradient is held as the rows."""
+        return self.state != TrainingState.ZERO1
 
     def offset(self, rank: int) -> int:
         return sum(self.rows[:rank])
@@ -59,14 +68,17 @@ class ZeroState:
         if plan.state_shards is None:
             return None
         rank = groups.rank
-        zero2 = {i.tensor for i in plan.instructions if i.kind == "param" and i.state == TrainingState.ZERO2}
-        assert not zero2 or sync is not None, "ZeRO-2 parameters need the gradient buckets"
+        states = {i.tensor: i.state for i in plan.instructions if i.kind == "param"}
+        assert sync is not None or TrainingState.ZERO2 not in states.values(), "ZeRO-2 needs the gradient buckets"
         shards = []
         for name, rows in plan.state_shards.rows.items():
             param = getattr(module, name)
+            if states[name] == TrainingState.ZERO3:  # the module holds the rows themselves
+                shards.append(RowShard(name, param, param, rows, TrainingState.ZERO3))
+                continue
             start = sum(rows[:rank])
             leaf = nn.Parameter(param.data.narrow(0, start, rows[rank]), requires_grad=param.requires_grad)
-            shards.append(RowShard(name, param, leaf, rows, name in zero2))
+            shards.append(RowShard(name, param, leaf, rows, states[name]))
         return ZeroState(shards, groups.span("all"), plan.state_shards.variant, sync)
 
     def optimizer_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -83,6 +95,8 @@ class ZeroState:
         the reduce-scattered rows)."""
         rank = self.span.index
         for s in self.shards:
+            if s.state == TrainingState.ZERO3:  # autograd put the rows' gradient on the leaf itself
+                continue
             if s.grad_rows:
                 s.leaf.grad = self.sync.row_grad(s.param) if self.sync is not None else None
                 continue
@@ -90,16 +104,17 @@ class ZeroState:
             s.leaf.grad = None if g is None else g.narrow(0, s.offset(rank), s.rows[rank])
 
     def row_grads(self) -> list[torch.Tensor]:
-        """The ZeRO-2 leaves' gradients (this rank's rows; set by before_step)."""
+        """The ZeRO-2/3 leaves' gradients (this rank's rows; ZeRO-2's set by before_step)."""
         return [s.leaf.grad for s in self.shards if s.grad_rows and s.leaf.grad is not None]
 
     def leaves(self) -> list[nn.Parameter]:
         return [s.leaf for s in self.shards]
 
     def after_step(self) -> None:
-        """All-gather every rank's updated rows and copy them into the whole parameters."""
-        for dtype in dict.fromkeys(s.param.dtype for s in self.shards):
-            self._gather([s for s in self.shards if s.param.dtype == dtype])
+        """All-gather every rank's updated rows and copy them into the whole parameters (ZeRO-1/2)."""
+        whole = [s for s in self.shards if s.state != TrainingState.ZERO3]
+        for dtype in dict.fromkeys(s.param.dtype for s in whole):
+            self._gather([s for s in whole if s.param.dtype == dtype])
         for s in self.shards:
             s.leaf.grad = None
 
@@ -120,6 +135,9 @@ class ZeroState:
                         s.param.data.narrow(0, s.offset(r), s.rows[r]).copy_(
                             whole[at:at + count].view(s.rows[r], *s.param.shape[1:]))
                     at += count
+
+    def zero3(self) -> set[str]:
+        return {s.name for s in self.shards if s.state == TrainingState.ZERO3}
 
     def state_rows(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, rows) of this rank's rows."""

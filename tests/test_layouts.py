@@ -155,5 +155,5 @@ def test_a_version_1_plan_is_read_with_a_warning(plan: Plan, caplog: pytest.LogC
 def test_another_version_is_refused_saying_what_changed(plan: Plan) -> None:
     raw = {**json.loads(plan.model_dump_json()), "version": 7}
     with pytest.raises(PlanError, match=r"new.json is plan format version 7; this hetsynth reads versions 1 to 6 "
-                                        r"\(version 6: training state zero2.*Re-run `hetsynth plan`"):
+                                        r"\(version 6: training states zero2.*Re-run `hetsynth plan`"):
         plan_from_json(raw, "new.json")

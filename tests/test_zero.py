@@ -60,6 +60,61 @@ def test_zero2_matches_single_device(pools, ref: str, ratios: list[float], q: li
     check(pools, plan)
 
 
+@pytest.mark.parametrize("ref, ratios, q", [
+    ("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7]),
+    ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4]),
+    ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0]),
+    ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1]),
+])
+def test_zero3_matches_single_device(pools, ref: str, ratios: list[float], q: list[float]) -> None:
+    """ZeRO-3: parameters stored as uneven rows (a rank with none), gathered at each use
+    (gpt's tied embedding twice), regathered in the backward; 5 AdamW steps with clipping as
+    on one device."""
+    plan = with_zero(make(ref, ratios, DP_SEED), q, TrainingState.ZERO3)
+    zero3 = zero_params(plan, TrainingState.ZERO3)
+    assert zero3 and set(plan.state_shards.rows) == set(zero3)
+    assert not any(p in zero3 for b in plan.buckets() for p in b.params)
+    predicted_step(plan)
+    check(pools, plan)
+
+
+def zero3_memory_worker(rank: int, world: int, plan: Plan, config):
+    import torch.distributed as dist
+
+    from runtime.groups import Groups
+    from runtime.memory_report import measure_step
+    from runtime.train import setup, train_step
+
+    trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
+    train_step(trainer, 0)
+    gathers = trainer.program.gathers
+    before = gathers.regathers if gathers is not None else 0
+    memory = measure_step(trainer, lambda: train_step(trainer, 1))
+    shapes = {n: tuple(p.shape) for n, p in trainer.program.module.named_parameters()}
+    return memory, (gathers.regathers if gathers is not None else 0) - before, shapes
+
+
+@pytest.mark.parametrize("state", [TrainingState.ZERO2, TrainingState.ZERO3])
+def test_sharded_state_memory_is_measured_as_predicted(pools, state: TrainingState) -> None:
+    """ZeRO-2/3 at uneven rows: every rank holds the parameters, gradients and optimizer state
+    the plan predicts (within 15%; ZeRO-3: the module holds its rows only) and saves what it
+    predicts for backward (within 25%): ZeRO-3's gathered parameters are released after their
+    forward use (not saved) and gathered again in the backward."""
+    from runtime.config import TrainConfig
+    from runtime.memory_report import format_report, relative_error
+
+    plan = with_zero(make("gpt:tiny", [0.7, 0.3], DP_SEED), [0.65, 0.35], state)
+    rows = pools.get(2).run(zero3_memory_worker, plan, TrainConfig(steps=2), timeout_s=300)
+    print(format_report(plan, [r[0] for r in rows], "adamw"))
+    for rank, (memory, regathers, shapes) in enumerate(rows):
+        assert abs(relative_error(memory.predicted_state, memory.state)) <= 0.15, (rank, memory)
+        assert abs(relative_error(memory.predicted_saved, memory.saved_peak)) <= 0.25, (rank, memory)
+        if state == TrainingState.ZERO3:
+            assert regathers > 0
+            for name, r in plan.state_shards.rows.items():
+                assert shapes[name][0] == r[rank], (name, shapes[name], r)
+
+
 def _two_devices(tmp_path: Path, memories_gib: tuple[float, float]) -> Path:
     """Two devices of equal speed on one node, with these memories."""
     kinds = "".join(f"[device_kinds.k{i}]\nthroughput_flops = 20e9\nmemory_gib = {m}\n"
@@ -132,6 +187,26 @@ def test_planner_shards_gradients_where_optimizer_state_is_not_enough() -> None:
     assert "ZeRO-2 for" in plan_summary_text(plan)
 
 
+def test_planner_shards_parameters_where_nothing_else_fits(pools) -> None:
+    """Memory that neither ZeRO-2 nor recomputation meets, even together (gpt:tiny at even
+    ratios: 0.481 MB per device with every block recomputed), but ZeRO-3 with recomputation
+    does (0.458 MB): the planner takes ZeRO-3, gathering parameters inside recomputed blocks,
+    and the plan trains exactly."""
+    from hetsynth.report import plan_summary_text
+
+    plain = make("gpt:tiny,dtype=float64", [0.5, 0.5], DP_SEED)
+    scale = plain.predicted.devices[0].memory_gib / make("gpt:tiny", [0.5, 0.5], DP_SEED).predicted.devices[0].memory_gib
+    cap = 0.47e6 / 2**30 * scale  # float64 doubles every byte of the float32 figures above
+    kinds = {k: v.model_copy(update={"memory_gib": cap}) for k, v in plain.cluster.device_kinds.items()}
+    cluster = plain.cluster.model_copy(update={"device_kinds": kinds})
+    plan = make_plan(plain.graph, cluster, ratios=[0.5, 0.5], progress=False, with_baselines=False,
+                     restrictions=DP_SEED)
+    assert plan.predicted.fits and zero_params(plan, TrainingState.ZERO3)
+    assert any(i.recompute for i in plan.instructions)
+    assert "ZeRO-3 for" in plan_summary_text(plan)
+    check(pools, plan)
+
+
 def test_checkpoint_under_zero1_holds_whole_state_and_resumes(pools, tmp_path: Path) -> None:
     """Saved under a ZeRO-1 plan, the checkpoint loads into the plain model (whole parameters
     and whole Adam moments) and resumes under another ZeRO-1 plan (4 ranks, one without rows)
@@ -153,6 +228,35 @@ def test_checkpoint_under_zero1_holds_whole_state_and_resumes(pools, tmp_path: P
         assert state["exp_avg"].shape == shapes[fqn].shape, fqn
     later = pools.get(4).run(resume_worker, with_zero1(make(REF, [0.4, 0.3, 0.2, 0.1], DP_SEED), [0.5, 0.0, 0.25, 0.25]),
                              LATER, path)[0]
+    continued, _ = reference_training(spec, spec.batch_size, LATER)
+    for got, want in zip(later, continued[3:]):
+        assert abs(got - want) <= 1e-9 * abs(want), (later, continued[3:])
+
+
+def test_checkpoint_under_zero3_loads_into_the_plain_model_and_resumes(pools, tmp_path: Path) -> None:
+    """Saved under a ZeRO-3 plan (each rank holding only its rows of the parameters), the
+    checkpoint holds whole parameters equal to single-device training's, loads into the plain
+    model with strict=True, and resumes under another ZeRO-3 plan (4 ranks, one without rows)
+    with single-device training's losses."""
+    import torch
+
+    from instruction_set.models import parse_model_ref
+    from runtime.train import reference_training
+    from test_checkpoint import FIRST, LATER, REF, resume_worker, save_worker
+
+    path = str(tmp_path / "zero3.pt")
+    pools.get(2).run(save_worker, with_zero(make(REF, [0.7, 0.3], DP_SEED), [0.3, 0.7], TrainingState.ZERO3),
+                     FIRST, path)
+    ckpt = torch.load(path, weights_only=False)
+    spec = parse_model_ref(REF)
+    model = spec.build("cpu")
+    model.load_state_dict(ckpt["model"], strict=True)
+    _, first = reference_training(spec, spec.batch_size, FIRST)
+    for fqn, value in model.named_parameters():
+        assert float((value.detach() - first[fqn]).abs().max()) <= 1e-8, fqn
+        assert ckpt["optimizer"]["state"][fqn]["exp_avg"].shape == value.shape, fqn
+    plan = with_zero(make(REF, [0.4, 0.3, 0.2, 0.1], DP_SEED), [0.5, 0.0, 0.25, 0.25], TrainingState.ZERO3)
+    later = pools.get(4).run(resume_worker, plan, LATER, path)[0]
     continued, _ = reference_training(spec, spec.batch_size, LATER)
     for got, want in zip(later, continued[3:]):
         assert abs(got - want) <= 1e-9 * abs(want), (later, continued[3:])
