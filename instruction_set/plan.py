@@ -31,7 +31,7 @@ from instruction_set.pipeline import Pipeline, PipelineStage
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
 from instruction_set.shards import MeshLayout
-from instruction_set.training_state import StateShards, TrainingState, check_state_shards
+from instruction_set.training_state import StateShards, TrainingState, check_state_shards, check_states
 from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets, check_buckets
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,8 @@ class Plan(_Frozen):
     pipeline: Pipeline | None = Field(default=None, description="the pipeline plan (instruction_set.pipeline)")
 
     state_shards: StateShards | None = Field(
-        default=None, description="ZeRO-1 parameters' optimizer-state rows per rank (instruction_set."
-                                  "training_state); None when every parameter's state is replicated")
+        default=None, description="ZeRO-1/2/3 parameters' rows per rank (instruction_set.training_state); "
+                                  "None when every parameter's state is replicated")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -161,6 +161,13 @@ class Plan(_Frozen):
         if zero or self.state_shards is not None:
             check_state_shards(self.state_shards or StateShards(ratios=self.sharding_ratios, rows={}),
                                len(self.sharding_ratios), zero)
+        check_states(self.graph, self.instructions)
+        if self.pipeline is not None:
+            staged = [k for k, stage in enumerate(self.pipeline.stages) for p in stage.plans.values()
+                      if p.state_shards is not None]
+            if staged:
+                raise ValueError(f"pipeline stage(s) {sorted(set(staged))} shard training state (ZeRO): the pipeline "
+                                 f"runtime keeps every stage's training state whole; plan the stages without ZeRO")
         if self.gradient_sync is not None:
             check_buckets(self.gradient_sync, self.instructions)
         check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,

@@ -25,7 +25,7 @@ module's parameter, and a checkpoint reassembles whole tensors by rows.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Sequence
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -88,4 +88,22 @@ def check_state_shards(shards: StateShards, num_devices: int, dims0: dict[str, i
                              f"{num_devices} lengths >= 0 summing to {dim0}")
 
 
-__all__ = ["GATHERED_AFTER_STEP", "SCATTER_VARIANTS", "SHARDED_STATES", "StateShards", "TrainingState", "check_state_shards", "state_rows"]
+def check_states(graph: Any, program: Sequence[Any]) -> None:
+    """Raise ValueError unless every sharded-state parameter is stored replicated (R) and every
+    ZERO3 one is read by compute instructions only (its gather is emitted at each compute use;
+    runtime.zero3): no conversion, SFB or fused collective-matmul of it."""
+    for i in program:
+        if i.kind == "param" and i.state != TrainingState.REPLICATED and str(i.layout) != "R":
+            raise ValueError(f"parameter {i.tensor} is stored {i.layout} with training state {i.state}: ZeRO "
+                             f"shards the state of replicated (R) parameters only")
+    zero3 = {i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO3}
+    for i in program:
+        reads = set(graph.node(i.node).inputs) if i.runs_op else set()
+        bad = zero3 & (({i.tensor} if i.kind not in ("param", "compute", "all_reduce") else set())
+                       | (reads if i.kind != "compute" else set()))
+        if bad:
+            raise ValueError(f"zero3 parameter(s) {sorted(bad)} feed a {i.kind} instruction ({i.describe()}): a "
+                             f"ZeRO-3 parameter must be read by plain compute instructions only")
+
+
+__all__ = ["GATHERED_AFTER_STEP", "SCATTER_VARIANTS", "SHARDED_STATES", "StateShards", "TrainingState", "check_states", "check_state_shards", "state_rows"]

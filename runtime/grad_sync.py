@@ -58,7 +58,6 @@ expected does not fire, the bucket is launched by `finish()` (counted as late).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,9 +69,8 @@ from torch import nn
 
 from instruction_set.mesh import Mesh, MeshAxis
 from instruction_set.sync import GradBucket
-from instruction_set.training_state import SCATTER_VARIANTS
-from runtime.collectives import Span
 from runtime.collectives.allreduce import scatter_parts
+from runtime.grad_rows import SCATTER_STAGES, RowsLayout, row_layouts
 from runtime.groups import Groups, group_timeout
 
 
@@ -127,54 +125,6 @@ class Pending:
     def then(self, callback: Callable[[Any], None]) -> None:
         if self.future is not None:
             self.future.then(callback)
-
-
-@dataclass(frozen=True)
-class RowsLayout:
-    """Where a reduce-scatter bucket's gradients of one dtype lie in its copy-in buffer
-    (module docstring): rank r's segment starts at starts[r] and holds, per parameter k in
-    order, its rows[k][r] rows."""
-
-    shapes: tuple[torch.Size, ...]
-    rows: tuple[tuple[int, ...], ...]    # per parameter, per rank
-    span: Span                           # the group's members and this rank's index
-    padded: bool
-
-    def numel(self, k: int, rank: int) -> int:
-        return self.rows[k][rank] * math.prod(self.shapes[k][1:])
-
-    @property
-    def lengths(self) -> list[int]:
-        return [sum(self.numel(k, r) for k in range(len(self.shapes))) for r in range(self.span.size)]
-
-    @property
-    def starts(self) -> list[int]:
-        lengths = self.lengths
-        return [r * max(lengths) for r in range(len(lengths))] if self.padded else \
-            [sum(lengths[:r]) for r in range(len(lengths))]
-
-    @property
-    def size(self) -> int:
-        return self.starts[-1] + (max(self.lengths) if self.padded else self.lengths[-1])
-
-    def place(self, buffer: torch.Tensor, k: int, grad: torch.Tensor) -> None:
-        """Copy parameter k's whole gradient into every rank's segment."""
-        starts, offset = self.starts, 0
-        for r in range(self.span.size):
-            n = self.numel(k, r)
-            if n:
-                at = starts[r] + sum(self.numel(j, r) for j in range(k))
-                buffer[at:at + n].copy_(grad.narrow(0, offset, self.rows[k][r]).reshape(-1))
-            offset += self.rows[k][r]
-
-    def views(self, mine: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows of every parameter, views of its reduced segment."""
-        out, at, me = [], 0, self.span.index
-        for k, shape in enumerate(self.shapes):
-            n = self.numel(k, me)
-            out.append(mine[at:at + n].view(self.rows[k][me], *shape[1:]))
-            at += n
-        return out
 
 
 @dataclass
@@ -242,29 +192,11 @@ def _gather(flat: torch.Tensor, part: torch.Tensor, group: Any) -> tuple[Any, An
     return dist.all_gather_single(whole, part, group=group, async_op=True), whole
 
 
-def _rows_padded(flat: torch.Tensor, layout: RowsLayout, group: Any) -> tuple[Any, Any]:
-    """Every rank's segment padded to the largest: one reduce_scatter_single."""
-    out = flat.new_empty(max(layout.lengths))
-    work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True) \
-        if out.numel() else []
-    return work, (layout, out)
-
-
-def _rows_grouped(flat: torch.Tensor, layout: RowsLayout, group: Any) -> tuple[Any, Any]:
-    """One reduce of rank r's segment to rank r, for every rank with rows (no padding)."""
-    span, starts, lengths = layout.span, layout.starts, layout.lengths
-    works = [dist.reduce(flat[s:s + n], dst=m, op=dist.ReduceOp.SUM, group=group, async_op=True)
-             for s, n, m in zip(starts, lengths, span.members) if n > 0]
-    return works, (layout, flat[starts[span.index]:])
-
-
 Stage = tuple[str | None, Callable[[torch.Tensor, Any, Any], tuple[Any, Any]]]
 STAGES: dict[str, tuple[Stage, ...]] = {
     "ring": ((None, _ring),),             # None: the bucket's own axis
     "hierarchical": (("inner", _scatter), ("outer", _across), ("inner", _gather)),
 }
-SCATTER_STAGES: dict[str, tuple[Stage, ...]] = {"padded": ((None, _rows_padded),), "grouped": ((None, _rows_grouped),)}
-assert set(SCATTER_STAGES) == set(SCATTER_VARIANTS)
 
 
 def _stages(kind: str, variant: str) -> tuple[Stage, ...]:
@@ -286,15 +218,6 @@ def _flat_views(params: list[nn.Parameter]) -> list[torch.Tensor]:
             offset += p.numel()
         buffers.append(flat)
     return buffers
-
-
-def _row_layouts(params: list[nn.Parameter], rows: list[tuple[int, ...]], span: Span, variant: str) -> list[RowsLayout]:
-    out = []
-    for dtype in dict.fromkeys(p.dtype for p in params):
-        members = [k for k, p in enumerate(params) if p.dtype == dtype]
-        out.append(RowsLayout(tuple(params[k].shape for k in members), tuple(rows[k] for k in members), span,
-                              variant == "padded"))
-    return out
 
 
 # (world group, mesh, lane) -> this rank's process group of the lane. gloo groups hold threads
@@ -367,7 +290,7 @@ class GradientSync:
             if spec.kind == "reduce_scatter":
                 missing = [n for n in names if n not in (rows or {})]
                 assert not missing and spec.axis == MeshAxis.ALL, f"reduce-scatter bucket without rows: {missing}"
-                layouts = _row_layouts(params, [rows[n] for n in names], groups.span("all"), spec.variant)  # type: ignore[index]
+                layouts = row_layouts(params, [rows[n] for n in names], groups.span("all"), spec.variant)  # type: ignore[index]
                 runs.append(BucketRun(spec, params, [None] * len(layouts), set(range(len(params))), layouts=layouts))
             else:
                 runs.append(BucketRun(spec, params, _flat_views(params), set(range(len(params)))))
@@ -532,5 +455,5 @@ class GradientSync:
                     pass
 
 
-__all__ = ["BucketRun", "BucketTiming", "GradientSync", "GradientSyncError", "RowsLayout", "SCATTER_STAGES", "STAGES",
+__all__ = ["BucketRun", "BucketTiming", "GradientSync", "GradientSyncError", "STAGES",
            "lane_groups"]

@@ -260,3 +260,45 @@ def test_checkpoint_under_zero3_loads_into_the_plain_model_and_resumes(pools, tm
     continued, _ = reference_training(spec, spec.batch_size, LATER)
     for got, want in zip(later, continued[3:]):
         assert abs(got - want) <= 1e-9 * abs(want), (later, continued[3:])
+
+
+def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: Path) -> None:
+    """A plan file whose ZeRO state the runtime cannot hold is an error when it is read, and
+    `hetsynth run` says so (exit 2, no traceback): ZeRO on a split parameter; ZeRO-3 on a
+    weight whose gradient SFB rebuilds."""
+    import json
+    import subprocess
+    import sys
+
+    from instruction_set.plan import PlanError, plan_from_json
+    from planner.problem import Restrictions
+
+    import dataclasses
+
+    force = {n.name: "S0" for n in capture_model("gpt:tiny").calls
+             if n.target == "aten.linear.default" and "blocks" in n.module_path}
+    sfb = make("gpt:tiny", [0.5, 0.5], dataclasses.replace(DP_SEED, force_sfb=True, force=force))
+    weight = next(i.tensor for i in sfb.instructions if i.kind == "sfb")
+    raw = json.loads(sfb.model_dump_json())
+    for i in raw["instructions"]:
+        if i["kind"] == "param" and i["tensor"] == weight:
+            i["state"] = "zero3"
+    rows = sfb.graph.node(weight).out.shape[0]
+    raw["state_shards"] = {"ratios": [0.5, 0.5], "rows": {weight: [rows // 2, rows - rows // 2]}}
+    with pytest.raises(PlanError, match=f"zero3 parameter.*{weight}.*sfb"):
+        plan_from_json(raw, "sfb.json")
+    path = tmp_path / "sfb.json"
+    path.write_text(json.dumps(raw))
+    done = subprocess.run([sys.executable, "-m", "hetsynth", "run", str(path), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    split = make("gpt:tiny", [0.5, 0.5], Restrictions(shard_params_with_dims=2))
+    name, layout = next((i.tensor, i.layout) for i in split.instructions if i.kind == "param" and i.layout.is_shard)
+    raw = json.loads(split.model_dump_json())
+    for i in raw["instructions"]:
+        if i["kind"] == "param" and i["tensor"] == name:
+            i["state"] = "zero2"
+    rows = split.graph.node(name).out.shape[0]
+    raw["state_shards"] = {"ratios": [0.5, 0.5], "rows": {name: [rows // 2, rows - rows // 2]}}
+    with pytest.raises(PlanError, match=f"parameter {name} is stored {layout} with training state zero2"):
+        plan_from_json(raw, "split.json")
