@@ -43,7 +43,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
-         fusion: bool = True, keep_unfit: bool = False) -> Plan:
+         fusion: bool = True, keep_unfit: bool = False, zero: str = "auto") -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -53,7 +53,9 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     default: the cap the cost model predicts fastest). `fusion` False keeps every all-gather ->
     linear and linear -> reduce-scatter as its plain pair (planner.fusions). `keep_unfit`: when
     no program fits in memory, the one closest to fitting (`predicted.fits` False) instead of
-    PlanInfeasible (a pipeline may still fit: `hetsynth plan` then tries stages)."""
+    PlanInfeasible (a pipeline may still fit: `hetsynth plan` then tries stages). `zero`: "auto"
+    shards training state (ZeRO-1/2/3) only where memory binds, "0" never, "1", "2" or "3" every
+    parameter that can be at that stage, at the state LP's rows (planner.zero)."""
     from instruction_set.models import parse_model_ref, with_overrides
     from planner.feasibility import check_memory_lower_bound
     from planner.planner import DP_SEED, make_plan
@@ -61,6 +63,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
 
     if cluster is None:
         raise ValueError("plan() needs a cluster (a ClusterSpec or a spec file path)")
+    if zero not in ZERO_CHOICES:
+        raise ValueError(f"zero {zero!r}: use one of {', '.join(ZERO_CHOICES)}")
     if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb * 2**20 >= 1):
         raise ValueError(f"bucket cap {bucket_mb} MiB: must be a finite number of at least one byte (2**-20 MiB)")
     spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -90,8 +94,28 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     restrictions = DP_SEED if data_parallel else None
     if not fusion:
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_fusion=False)
-    return make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
+    if zero == "0":
+        restrictions = dataclasses.replace(restrictions or Restrictions(), allow_zero=False)
+    made = make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
                      bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None, keep_unfit=keep_unfit)
+    return made if zero in ("auto", "0") else _forced_zero(made, int(zero))
+
+
+ZERO_CHOICES = ("auto", "0", "1", "2", "3")
+
+
+def _forced_zero(plan: Plan, stage: int) -> Plan:
+    """Every parameter that can be at ZeRO stage `stage` put there (planner.planner.with_zero)."""
+    from instruction_set.training_state import TrainingState
+    from planner.planner import with_zero
+
+    state = (TrainingState.ZERO1, TrainingState.ZERO2, TrainingState.ZERO3)[stage - 1]
+    forced = with_zero(plan, None, state)
+    if not any(i.kind == "param" and i.state == state for i in forced.instructions):
+        raise ValueError(f"zero {stage}: no parameter of this plan can be at ZeRO stage {stage} (it shards the state "
+                         f"of replicated parameters{', read by plain compute ops only' if stage == 3 else ''}); "
+                         f"use --zero auto")
+    return forced
 
 
 def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,

@@ -71,6 +71,9 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fusion", action="store_true",
                    help="keep every all-gather -> linear and linear -> reduce-scatter as the plain pair "
                         "(default: the cost model fuses them where the overlap pays; planner.fusions)")
+    p.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto",
+                   help="sharded training state: auto (ZeRO-1, -2 or -3 only where memory binds, the fastest that "
+                        "fits), 0 (never), or 1, 2, 3 (every parameter that can be, rows sized by memory and speed)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.add_argument("--stages", type=_stages_arg,
                    help="also make a pipeline: 'auto' (stages, cuts and sub-meshes chosen by dynamic programming "
@@ -98,6 +101,12 @@ def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
         raise ValueError("--micro-batches and --schedule need --stages")
     if plan.predicted.fits:
         return None
+    if args.zero not in ("auto", "0"):  # the pipeline runtime keeps training state whole
+        from planner.feasibility import PlanInfeasible
+        from planner.planner import shortfall_message
+
+        raise PlanInfeasible(f"{shortfall_message(plan)}. With --zero {args.zero} no pipeline is tried (the pipeline "
+                             f"runtime keeps every stage's training state whole); use --zero auto")
     print("no SPMD plan fits in memory; trying pipeline stages (as --stages auto would)", flush=True)
     return "auto"
 
@@ -113,6 +122,7 @@ def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) 
 
     if stages is None:
         return plan
+
     if args.micro_batches is not None and not 1 <= args.micro_batches <= plan.model.batch_size:
         raise ValueError(f"--micro-batches {args.micro_batches}: choose 1..{plan.model.batch_size} (the batch size)")
     schedule = Schedule(args.schedule) if args.schedule else None
@@ -166,12 +176,15 @@ def plan_run(args: argparse.Namespace) -> int:
     from hetsynth.report import instruction_mix, plan_summary_text
 
     check_outputs({"-o": args.output})  # before the synthesis it would throw away
+    if args.stages is not None and args.zero not in ("auto", "0"):
+        raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
+                         f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")
     started = time.perf_counter()
     plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                          num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                          allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                          measure_ops=args.measure_ops, data_parallel=args.data_parallel,
-                         bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True)
+                         bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True, zero=args.zero)
     stages = _stages_to_try(plan, args)
     plan = _pipeline(plan, args, stages)
     hetsynth.save_plan(plan, args.output)

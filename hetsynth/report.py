@@ -162,7 +162,7 @@ def _zero_text(plan: Plan) -> str:
     states = [i.state for i in plan.instructions if i.kind == "param" and i.tensor in z.rows]
     stages = {s: states.count(s) for s in dict.fromkeys(sorted(states))}
     used = " and ".join(f"ZeRO-{str(s)[-1]} for {n} parameters" for s, n in stages.items())
-    scatter = f"; gradients reduce-scattered {z.scatter_variant}" if TrainingState.ZERO2 in stages else ""
+    scatter = f"; gradients reduce-scattered {z.scatter_variant}" if {TrainingState.ZERO2, TrainingState.ZERO3} & set(stages) else ""
     return f"{used} (state rows: {shares}; all-gather {z.variant}{scatter})"
 
 

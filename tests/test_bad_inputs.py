@@ -137,6 +137,8 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("ratios for 3", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "1,1,1", "-o", _out(t)], "3 ratios given for 4 devices"),
     ("zero bucket cap", lambda t, p: PLAN + ["gpt:tiny", "--bucket-mb", "0", "-o", _out(t)],
      "bucket cap 0.0 MiB: must be a finite number of at least one byte"),
+    ("zero with stages", lambda t, p: PLAN + ["gpt:tiny", "--zero", "2", "--stages", "2", "-o", _out(t)],
+     "--zero 2 with --stages 2: the pipeline runtime keeps every stage's training state whole"),
     # cluster specs
     ("no cpu_quota", lambda t, p: PLAN[:2] + [_spec(t, "cpu-slow = 0.25\n", ""), "--model", "gpt:tiny", "-o", _out(t)],
      "cpu_quota has no entry for device kind(s) ['cpu-slow']"),
