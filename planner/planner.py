@@ -248,21 +248,30 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
                 restrictions: Restrictions | None, stats: _Stats, allow_zero: bool = True) -> Candidate | None:
     """`candidate` made to fit in memory, the fastest of: its replicated parameters' training
     state sharded in rows (ZeRO-1: the optimizer state; ZeRO-2: the gradient too; ZeRO-3: the
-    parameter too; planner.zero),
-    each with the fewest blocks recomputed that then fit if needed; and the fewest blocks
-    recomputed without ZeRO. None when none fits."""
+    parameter too; planner.zero), each with the fewest blocks recomputed that then fit if
+    needed; and the fewest blocks recomputed without ZeRO. None when none fits. A ZeRO stage
+    that does not fit as it is gets the recomputation search only when its step without
+    recomputation (recomputation only adds time) beats the best option found so far; the
+    stages that fit as they are come first."""
     options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
     allowed = allow_zero and candidate.problem.restrictions.allow_zero
-    for state in ZERO_STATES if allowed else ():
-        zero = zero_problem(candidate.problem, candidate.program, state)
-        if zero is None:
-            continue
-        pb, program = zero
-        if predict(pb, program_terms(pb, program)).fits:  # memory does not depend on the buckets
+    staged = [z for z in (zero_problem(candidate.problem, candidate.program, s) for s in ZERO_STATES if allowed)
+              if z is not None]
+    short = []
+    for pb, program in staged:
+        plain = predict(pb, program_terms(pb, program))  # memory does not depend on the buckets
+        if plain.fits:
             options.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
         else:
-            sharded = dataclasses.replace(candidate, program=program, problem=pb)
-            options.append(_recomputed(graph, cluster, sharded, fixed, restrictions, stats))
+            short.append((plain.step_time_s, pb, program))
+    for step_s, pb, program in sorted(short, key=lambda x: x[0]):
+        best_s = min((c.prediction.step_time_s for c in options if c is not None), default=math.inf)
+        if step_s >= best_s:
+            log.info("%s: %.2f ms before recomputation, not faster than %.2f ms", techniques(program),
+                     step_s * 1e3, best_s * 1e3)
+            continue
+        sharded = dataclasses.replace(candidate, program=program, problem=pb)
+        options.append(_recomputed(graph, cluster, sharded, fixed, restrictions, stats))
     found = [c for c in options if c is not None]
     if not found:
         return None
