@@ -356,7 +356,9 @@ def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Probl
     """The best candidate's program with its most memory-saving ZeRO stage (where allowed) and
     every block recomputed."""
     pb, program = best.problem, best.program
-    zero = zero_problem(pb, program, ZERO_STATES[-1]) if allow_zero and pb.restrictions.allow_zero else None
+    allowed = allow_zero and pb.restrictions.allow_zero
+    zero = next((z for z in (zero_problem(pb, program, s) for s in reversed(ZERO_STATES if allowed else ()))
+                 if z is not None), None)
     if zero is not None:
         pb, program = zero
     return pb, mark_recomputed(program, recompute_units(pb.graph, program))
