@@ -122,7 +122,7 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
     fits, the q that leaves the largest share of memory over (mu > 1) least exceeded."""
     fixed, state, update = _fixed_parts(pb, program)
     caps = [k.memory_gib * 2**30 for k in pb.kinds]
-    counts, g = pb.devices.counts, pb.cluster.num_devices
+    counts = pb.devices.counts
     gather = _comm_seconds(pb, program)
     prob, q, t, m = _state_lp(counts, update)
     for c, cap in enumerate(caps):
