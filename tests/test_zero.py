@@ -20,16 +20,18 @@ from planner.zero import solve_state_ratios, with_states, zero_candidates
 from test_parity import check, make
 
 
+# (model, compute ratios, state ratios q): worlds 2 and 4, uneven rows, a rank without rows
+CASES = [("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7]),
+         ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4]),
+         ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0]),
+         ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1])]
+
+
 def zero_params(plan: Plan, state: TrainingState = TrainingState.ZERO1) -> list[str]:
     return [i.tensor for i in plan.instructions if i.kind == "param" and i.state == state]
 
 
-@pytest.mark.parametrize("ref, ratios, q", [
-    ("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7]),
-    ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4]),
-    ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0]),
-    ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1]),
-])
+@pytest.mark.parametrize("ref, ratios, q", CASES)
 def test_zero1_matches_single_device(pools, ref: str, ratios: list[float], q: list[float]) -> None:
     plan = with_zero1(make(ref, ratios, DP_SEED), q)
     rows = plan.state_shards.rows
@@ -41,12 +43,7 @@ def test_zero1_matches_single_device(pools, ref: str, ratios: list[float], q: li
     check(pools, plan)
 
 
-@pytest.mark.parametrize("ref, ratios, q, scatter", [
-    ("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7], "padded"),
-    ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4], "grouped"),
-    ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0], "grouped"),
-    ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1], "padded"),
-])
+@pytest.mark.parametrize("ref, ratios, q, scatter", [(*c, v) for c, v in zip(CASES, ["padded", "grouped"] * 2)])
 def test_zero2_matches_single_device(pools, ref: str, ratios: list[float], q: list[float], scatter: str) -> None:
     """ZeRO-2: gradients reduce-scattered onto uneven rows (a rank with none) in buckets of
     kind reduce_scatter, at either variant; 5 AdamW steps with clipping as on one device."""
@@ -60,12 +57,7 @@ def test_zero2_matches_single_device(pools, ref: str, ratios: list[float], q: li
     check(pools, plan)
 
 
-@pytest.mark.parametrize("ref, ratios, q", [
-    ("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7]),
-    ("gpt:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.1, 0.0, 0.5, 0.4]),
-    ("bert:tiny,dtype=float64", [0.5, 0.5], [0.0, 1.0]),
-    ("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1]),
-])
+@pytest.mark.parametrize("ref, ratios, q", CASES)
 def test_zero3_matches_single_device(pools, ref: str, ratios: list[float], q: list[float]) -> None:
     """ZeRO-3: parameters stored as uneven rows (a rank with none), gathered at each use
     (gpt's tied embedding twice), regathered in the backward; 5 AdamW steps with clipping as
@@ -262,10 +254,24 @@ def test_checkpoint_under_zero3_loads_into_the_plain_model_and_resumes(pools, tm
         assert abs(got - want) <= 1e-9 * abs(want), (later, continued[3:])
 
 
+def _with_state_on(plan: Plan, tensor: str, state: str) -> dict:
+    """The plan's JSON with one parameter's training state set, at even rows."""
+    import json
+
+    raw = json.loads(plan.model_dump_json())
+    for i in raw["instructions"]:
+        if i["kind"] == "param" and i["tensor"] == tensor:
+            i["state"] = state
+    rows = plan.graph.node(tensor).out.shape[0]
+    raw["state_shards"] = {"ratios": [0.5, 0.5], "rows": {tensor: [rows // 2, rows - rows // 2]}}
+    return raw
+
+
 def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: Path) -> None:
     """A plan file whose ZeRO state the runtime cannot hold is an error when it is read, and
     `hetsynth run` says so (exit 2, no traceback): ZeRO on a split parameter; ZeRO-3 on a
     weight whose gradient SFB rebuilds."""
+    import dataclasses
     import json
     import subprocess
     import sys
@@ -273,18 +279,11 @@ def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: P
     from instruction_set.plan import PlanError, plan_from_json
     from planner.problem import Restrictions
 
-    import dataclasses
-
     force = {n.name: "S0" for n in capture_model("gpt:tiny").calls
              if n.target == "aten.linear.default" and "blocks" in n.module_path}
     sfb = make("gpt:tiny", [0.5, 0.5], dataclasses.replace(DP_SEED, force_sfb=True, force=force))
     weight = next(i.tensor for i in sfb.instructions if i.kind == "sfb")
-    raw = json.loads(sfb.model_dump_json())
-    for i in raw["instructions"]:
-        if i["kind"] == "param" and i["tensor"] == weight:
-            i["state"] = "zero3"
-    rows = sfb.graph.node(weight).out.shape[0]
-    raw["state_shards"] = {"ratios": [0.5, 0.5], "rows": {weight: [rows // 2, rows - rows // 2]}}
+    raw = _with_state_on(sfb, weight, "zero3")
     with pytest.raises(PlanError, match=f"zero3 parameter.*{weight}.*sfb"):
         plan_from_json(raw, "sfb.json")
     path = tmp_path / "sfb.json"
@@ -294,11 +293,5 @@ def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: P
     assert done.returncode == 2 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr
     split = make("gpt:tiny", [0.5, 0.5], Restrictions(shard_params_with_dims=2))
     name, layout = next((i.tensor, i.layout) for i in split.instructions if i.kind == "param" and i.layout.is_shard)
-    raw = json.loads(split.model_dump_json())
-    for i in raw["instructions"]:
-        if i["kind"] == "param" and i["tensor"] == name:
-            i["state"] = "zero2"
-    rows = split.graph.node(name).out.shape[0]
-    raw["state_shards"] = {"ratios": [0.5, 0.5], "rows": {name: [rows // 2, rows - rows // 2]}}
     with pytest.raises(PlanError, match=f"parameter {name} is stored {layout} with training state zero2"):
-        plan_from_json(raw, "split.json")
+        plan_from_json(_with_state_on(split, name, "zero2"), "split.json")
