@@ -232,7 +232,7 @@ def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
         s, ready_s = seconds(bucket_sync(pb, bucket)), done.get(ready, 0.0)
         args = {"bucket": n, "bytes": bucket.nbytes, "variant": bucket.variant, "axis": str(bucket.axis),
                 "predicted_s": s, "ready_s": ready_s}
-        out.append(Bucket(f"gradient bucket {n} all_reduce", ready_s, max(end, ready_s), s, args))
+        out.append(Bucket(f"gradient bucket {n} {bucket.kind}", ready_s, max(end, ready_s), s, args))
         end = max(end, ready_s) + s
     return out
 
