@@ -251,8 +251,9 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     parameter too; planner.zero), each with the fewest blocks recomputed that then fit if
     needed; and the fewest blocks recomputed without ZeRO. None when none fits. A ZeRO stage
     that does not fit as it is gets the recomputation search only when its step without
-    recomputation (recomputation only adds time) beats the best option found so far; the
-    stages that fit as they are come first."""
+    recomputation (recomputation only adds time) beats the best option found so far, and
+    none other is as fast and needs no more memory on any device (it would need no more
+    blocks recomputed); the stages that fit as they are come first."""
     options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
     allowed = allow_zero and candidate.problem.restrictions.allow_zero
     staged = [z for z in (zero_problem(candidate.problem, candidate.program, s) for s in ZERO_STATES if allowed)
@@ -263,8 +264,8 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
         if plain.fits:
             options.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
         else:
-            short.append((plain.step_time_s, pb, program))
-    for step_s, pb, program in sorted(short, key=lambda x: x[0]):
+            short.append((plain, pb, program))
+    for step_s, pb, program in sorted(_undominated(short), key=lambda x: x[0]):
         best_s = min((c.prediction.step_time_s for c in options if c is not None), default=math.inf)
         if step_s >= best_s:
             log.info("%s: %.2f ms before recomputation, not faster than %.2f ms", techniques(program),
@@ -278,6 +279,16 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     best = min(found, key=lambda c: c.prediction.step_time_s)
     log.info("fits in memory with %s", techniques(best.program))
     return best
+
+
+def _undominated(short: list[tuple[Prediction, Problem, tuple[Instruction, ...]]]) -> list[tuple[float, Problem, tuple]]:
+    """(step seconds, problem, program) of the predictions no other is as fast as while needing
+    no more memory on every device (ties: the first kept)."""
+    def covers(a: Prediction, b: Prediction) -> bool:
+        return a.step_time_s <= b.step_time_s and all(x.memory_gib <= y.memory_gib for x, y in zip(a.devices, b.devices))
+    kept = [x for k, x in enumerate(short)
+            if not any(covers(o[0], x[0]) and (not covers(x[0], o[0]) or j < k) for j, o in enumerate(short) if j != k)]
+    return [(p.step_time_s, pb, program) for p, pb, program in kept]
 
 
 ZERO_STATES = (TrainingState.ZERO1, TrainingState.ZERO2, TrainingState.ZERO3)  # tried where memory binds
