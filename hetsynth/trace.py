@@ -193,16 +193,16 @@ def predicted_step(plan: Plan) -> PredictedStep:
 
 def _zero3_times(plan: Plan, pb: Any) -> dict[int, tuple[InstructionTimes, InstructionTimes]]:
     """Each ZeRO-3 parameter's gathers at its uses (forward) and regathers with reduce-scatters
-    (backward), at the param instruction's place (planner.step_cost.zero3_forms)."""
-    from planner.step_cost import zero3_forms
+    (backward), at the param instruction's place (planner.step_cost.zero3_all_forms)."""
+    from planner.step_cost import zero3_all_forms
 
-    out = {}
+    forms, out = zero3_all_forms(pb, plan.instructions), {}
     for index, ins in enumerate(plan.instructions):
         if ins.kind == "param" and ins.state == TrainingState.ZERO3:
             nbytes = pb.meta(ins.tensor).nbytes
             args = {**instruction_args(plan, index, nbytes), "variant": plan.state_shards.variant}
             pair = []
-            for form, what in zip(zero3_forms(pb, plan.instructions, ins.tensor),
+            for form, what in zip(forms[ins.tensor],
                                   ("all_gather (ZeRO-3, each use)", "all_gather + reduce_scatter (ZeRO-3, backward)")):
                 per_class = _per_class_seconds(form, plan, index)
                 pair.append(InstructionTimes(index, f"{what} {ins.tensor}", COMMUNICATION,

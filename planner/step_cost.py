@@ -155,6 +155,7 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
     """(forward-half terms with the instructions' memory, backward half per instruction,
     post-backward terms: the parameter updates)."""
     x_layouts = first_input_layouts(program)
+    zero3 = zero3_all_forms(pb, program)
     forward: list[Term] = []
     backward: list[Form | None] = []
     post: list[Term] = []
@@ -167,7 +168,7 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         if ins.kind == "param":
             post.append(term)
             if ins.state == TrainingState.ZERO3:  # gathered at each use, regathered and reduce-scattered in backward
-                ahead_form, backward[-1] = zero3_forms(pb, program, ins.tensor)
+                ahead_form, backward[-1] = zero3[ins.tensor]
                 forward.append(Term(ahead_form))
             continue
         if ins.kind in FUSED_MATMULS:  # Series(forward, backward): planner.fusions
@@ -195,21 +196,36 @@ def zero3_working_set(pb: Problem, program: Sequence[Instruction]) -> MemoryTerm
     return MemoryTerm((2.0 * max(sizes),) * pb.width, (0.0,) * pb.width, "working")
 
 
-def zero3_uses(pb: Problem, program: Sequence[Instruction], tensor: str) -> int:
-    """How many compute instructions read a parameter (each gathers a ZeRO-3 one: runtime.zero3)."""
-    return sum(1 for i in program if i.kind == "compute" and tensor in pb.graph.node(i.node).inputs)
+def zero3_uses(pb: Problem, program: Sequence[Instruction]) -> dict[str, int]:
+    """Parameter -> how many compute instructions read it (each gathers a ZeRO-3 one:
+    runtime.zero3), in one pass over the program."""
+    uses: dict[str, int] = {}
+    for i in program:
+        if i.kind == "compute":
+            for name in pb.graph.node(i.node).inputs:
+                uses[name] = uses.get(name, 0) + 1
+    return uses
 
 
-def zero3_forms(pb: Problem, program: Sequence[Instruction], tensor: str) -> tuple[Form, Form]:
-    """A ZeRO-3 parameter's communication, at the state ratios q, k uses: forward k
-    all-gathers; backward k all-gathers again and k reduce-scatters of the gradient onto the
-    rows (synchronous, on the backward's own thread)."""
-    q, uses = pb.state_shares, zero3_uses(pb, program, tensor)
-    nbytes = float(pb.meta(tensor).nbytes)
-    gather = pb.comm.cost("all_gather", state_gather_variant(pb, program), nbytes, "all", q).scaled(uses)
-    scatter = pb.comm.cost("reduce_scatter", state_scatter_variant(pb, program), nbytes, "all", q).scaled(uses)
+def zero3_all_forms(pb: Problem, program: Sequence[Instruction]) -> dict[str, tuple[Form, Form]]:
+    """Each ZeRO-3 parameter's communication (forward, backward), at the state ratios q, k
+    uses: forward k all-gathers; backward k all-gathers again and k reduce-scatters of the
+    gradient onto the rows (synchronous, on the backward's own thread). The variants and use
+    counts are the program's, found once (per parameter they made planning quadratic)."""
+    tensors = [i.tensor for i in program if i.kind == "param" and i.state == TrainingState.ZERO3]
+    if not tensors:
+        return {}
+    q, uses = pb.state_shares, zero3_uses(pb, program)
+    gather_variant, scatter_variant = state_gather_variant(pb, program), state_scatter_variant(pb, program)
     shares = Shares(q, ShareKind.FIXED)
-    return Form(gather, shares, Category.COMMUNICATION), Form(gather + scatter, shares, Category.COMMUNICATION)
+    out: dict[str, tuple[Form, Form]] = {}
+    for tensor in tensors:
+        nbytes, k = float(pb.meta(tensor).nbytes), uses.get(tensor, 0)
+        gather = pb.comm.cost("all_gather", gather_variant, nbytes, "all", q).scaled(k)
+        scatter = pb.comm.cost("reduce_scatter", scatter_variant, nbytes, "all", q).scaled(k)
+        out[tensor] = (Form(gather, shares, Category.COMMUNICATION),
+                       Form(gather + scatter, shares, Category.COMMUNICATION))
+    return out
 
 
 def backward_overlap(backward: Sequence[Form | None], ready: Sequence[int], sync: Sequence[Form],
@@ -345,5 +361,5 @@ def predict_program(pb: Problem, program: Sequence[Instruction],
 
 
 __all__ = ["CAPS_BYTES", "DDP_SHAPE", "LAST_CAPS_BYTES", "plain_shapes", "with_last_caps", "backward_overlap", "backward_share", "bucket_sync", "choose_buckets", "forward_share", "is_bucketed",
-           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant", "state_scatter_variant", "zero3_forms", "zero3_uses", "zero3_working_set",
+           "ready_indices", "scalar_terms", "state_gather_terms", "state_gather_variant", "state_scatter_variant", "zero3_all_forms", "zero3_uses", "zero3_working_set",
            "param_shards", "predict_program", "program_terms", "TransferCpu"]

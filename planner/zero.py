@@ -145,8 +145,10 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
 
 def _comm_seconds(pb: Problem, program: Sequence[Instruction]) -> float:
     """G of the module docstring: the ZeRO collectives' padded seconds per unit of the largest share."""
+    uses = zero3_uses(pb, program)
+
     def nbytes(states: set, per_use: bool = False) -> float:
-        return float(sum(pb.meta(t).nbytes * (zero3_uses(pb, program, t) if per_use else 1)
+        return float(sum(pb.meta(t).nbytes * (uses.get(t, 0) if per_use else 1)
                          for t in zero_tensors(program, states)))
     z3 = {TrainingState.ZERO3}
     return _padded_seconds(pb, "all_gather", nbytes({TrainingState.ZERO1, TrainingState.ZERO2}) + 2 * nbytes(z3, True)) \
