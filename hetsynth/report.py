@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from cost_models.memory import OPTIMIZER_COPIES
 from instruction_set.blocks import recompute_units, recomputed_units
 from instruction_set.cluster import ClusterSpec
 from instruction_set.layouts import R, S
@@ -123,7 +124,43 @@ def plan_summary_text(plan: Plan) -> str:
         f"{s.states_expanded:,} states expanded, {s.rounds} round(s), "
         f"{'exact' if s.exact else 'width-bounded'}",
     ]
-    return "\n".join(lines + _sync_lines(plan))
+    return "\n".join(lines + _state_rows_lines(plan) + _sync_lines(plan))
+
+
+ROW_COPIES = {TrainingState.ZERO1: OPTIMIZER_COPIES - 2, TrainingState.ZERO2: OPTIMIZER_COPIES - 1,
+              TrainingState.ZERO3: OPTIMIZER_COPIES}  # of a parameter's copies, those held on its rows
+
+
+def state_rows_per_device(plan: Plan) -> list[tuple[int, float]]:
+    """Per rank: the ZeRO parameters' rows it holds (summed over parameters) and the bytes
+    of the state it keeps on them (Adam moments; the gradient under ZeRO-2/3; the parameter
+    under ZeRO-3)."""
+    z = plan.state_shards
+    copies = {i.tensor: ROW_COPIES[i.state] for i in plan.instructions if i.kind == "param" and z and i.tensor in z.rows}
+    out = []
+    for rank in range(plan.cluster.num_devices):
+        rows = sum(r[rank] for r in z.rows.values()) if z else 0
+        nbytes = sum(r[rank] * copies[t] * plan.graph.node(t).out.nbytes / max(plan.graph.node(t).out.shape[0], 1)
+                     for t, r in z.rows.items()) if z else 0.0
+        out.append((rows, nbytes))
+    return out
+
+
+def _state_rows_lines(plan: Plan) -> list[str]:
+    """A table of the ZeRO rows per device (runs of equal devices merged) beside the predicted
+    memory, when the plan shards training state."""
+    if plan.state_shards is None:
+        return []
+    runs: list[list] = []
+    for d, (rows, nbytes) in zip(plan.predicted.devices, state_rows_per_device(plan)):
+        row = [f"{rows:,}", f"{nbytes / 2**30:.3f}", f"{d.memory_gib:.2f} of {d.memory_capacity_gib:g}"]
+        if runs and runs[-1][1:] == row:
+            runs[-1][0].append(d.name)
+        else:
+            runs.append([[d.name], *row])
+    body = [[names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})", *rest]
+            for names, *rest in runs]
+    return ["", table(body, ["devices", "ZeRO state rows", "state on rows GiB", "memory GiB"])]
 
 
 def _memory_line(plan: Plan) -> str:

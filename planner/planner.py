@@ -53,8 +53,8 @@ from planner.recompute import fit_by_recompute
 from planner.fusions import fuse_program, unfuse_program
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
-from planner.zero import (solve_state_ratios, state_shards, with_states, zero3_candidates, zero_candidates,
-                          zero_problem, zero_stages)
+from planner.zero import (STATE_OBJECTIVES, solve_state_ratios, state_shards, with_states, zero3_candidates, zero_candidates,
+                          zero_problem, zero_problems, zero_stages)
 
 log = logging.getLogger(__name__)
 
@@ -249,36 +249,52 @@ def _fit_memory(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidat
     """`candidate` made to fit in memory, the fastest of: its replicated parameters' training
     state sharded in rows (ZeRO-1: the optimizer state; ZeRO-2: the gradient too; ZeRO-3: the
     parameter too; planner.zero), each with the fewest blocks recomputed that then fit if
-    needed; and the fewest blocks recomputed without ZeRO. None when none fits. A ZeRO stage
-    that does not fit as it is gets the recomputation search only when its step without
-    recomputation (recomputation only adds time) beats the best option found so far, and
-    none other is as fast and needs no more memory on any device (it would need no more
-    blocks recomputed); the stages that fit as they are come first."""
-    options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
+    needed; and the fewest blocks recomputed without ZeRO. None when none fits.
+
+    The rows follow the memories: the ZeRO stages are tried at the state LP's memory-first
+    ratios (every device left the same fraction of its memory free, so a device with more
+    free memory holds more rows; planner.zero), the collectives costed at those rows (the
+    padded ones at the largest share). Only when nothing fits so are the time-first ratios
+    tried (rows where the collectives and updates are fastest, memory a constraint)."""
     allowed = allow_zero and candidate.problem.restrictions.allow_zero
-    staged = [z for z in (zero_problem(candidate.problem, candidate.program, s) for s in ZERO_STATES if allowed)
-              if z is not None]
-    short = []
-    for pb, program in staged:
-        plain = predict(pb, program_terms(pb, program))  # memory does not depend on the buckets
-        if plain.fits:
-            options.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
-        else:
-            short.append((plain, pb, program))
-    for step_s, pb, program in sorted(_undominated(short), key=lambda x: x[0]):
-        best_s = min((c.prediction.step_time_s for c in options if c is not None), default=math.inf)
-        if step_s >= best_s:
-            log.info("%s: %.2f ms before recomputation, not faster than %.2f ms", techniques(program),
-                     step_s * 1e3, best_s * 1e3)
-            continue
-        sharded = dataclasses.replace(candidate, program=program, problem=pb)
-        options.append(_recomputed(graph, cluster, sharded, fixed, restrictions, stats))
+    options = [_recomputed(graph, cluster, candidate, fixed, restrictions, stats)]
+    for objective in STATE_OBJECTIVES[::-1] if allowed else ():
+        staged = [z for s in ZERO_STATES for z in zero_problems(candidate.problem, candidate.program, s, (objective,))]
+        options += _zero_options(graph, cluster, candidate, fixed, restrictions, stats, staged, options)
+        if any(c is not None for c in options):
+            break
     found = [c for c in options if c is not None]
     if not found:
         return None
     best = min(found, key=lambda c: c.prediction.step_time_s)
     log.info("fits in memory with %s", techniques(best.program))
     return best
+
+
+def _zero_options(graph: ReferenceGraph, cluster: ClusterSpec, candidate: Candidate, fixed: bool,
+                  restrictions: Restrictions | None, stats: _Stats, staged: list, options: list) -> list:
+    """The ZeRO programs `staged` (problem, program) that fit, each with the fewest blocks
+    recomputed that fit if needed. A stage that does not fit as it is gets the recomputation
+    search only when its step without recomputation (recomputation only adds time) beats the
+    best of `options` and of those found so far, and none other is as fast and needs no more
+    memory on any device (it would need no more blocks recomputed); the stages that fit as
+    they are come first."""
+    found, short = [], []
+    for pb, program in staged:
+        plain = predict(pb, program_terms(pb, program))  # memory does not depend on the buckets
+        if plain.fits:
+            found.append(_evaluate(graph, cluster, pb.ratios, program, restrictions, pb.state_ratios))
+        else:
+            short.append((plain, pb, program))
+    for step_s, pb, program in sorted(_undominated(short), key=lambda x: x[0]):
+        best_s = min((c.prediction.step_time_s for c in options + found if c is not None), default=math.inf)
+        if step_s >= best_s:
+            log.info("%s: %.2f ms before recomputation, not faster than %.2f ms", techniques(program),
+                     step_s * 1e3, best_s * 1e3)
+            continue
+        sharded = dataclasses.replace(candidate, program=program, problem=pb)
+        found.append(_recomputed(graph, cluster, sharded, fixed, restrictions, stats))
+    return found
 
 
 def _undominated(short: list[tuple[Prediction, Problem, tuple[Instruction, ...]]]) -> list[tuple[float, Problem, tuple]]:
@@ -368,7 +384,7 @@ def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Probl
     every block recomputed."""
     pb, program = best.problem, best.program
     allowed = allow_zero and pb.restrictions.allow_zero
-    zero = next((z for z in (zero_problem(pb, program, s) for s in reversed(ZERO_STATES if allowed else ()))
+    zero = next((z for z in (zero_problem(pb, program, s, "memory") for s in reversed(ZERO_STATES if allowed else ()))
                  if z is not None), None)
     if zero is not None:
         pb, program = zero

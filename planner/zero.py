@@ -117,13 +117,27 @@ def _fixed_parts(pb: Problem, program: Sequence[Instruction]) -> tuple[list[floa
     return fixed, state, update
 
 
-def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tuple[float, ...], bool]:
-    """q per device (module docstring's LP), and whether the state fits at it: where no q
-    fits, the q that leaves the largest share of memory over (mu > 1) least exceeded."""
+STATE_OBJECTIVES = ("time", "memory")  # the state LP's two orders (module docstring)
+
+
+def solve_state_ratios(pb: Problem, program: Sequence[Instruction], objective: str = "time"
+                       ) -> tuple[tuple[float, ...], bool]:
+    """q per device (module docstring's LP, `objective` first: "time", or "memory" for the rows
+    that leave every device the same fraction of its memory free), and whether the state fits
+    at it: where no q fits, the q that leaves the largest share of memory over (mu > 1) least
+    exceeded."""
+    if objective not in STATE_OBJECTIVES:
+        raise ValueError(f"state LP objective {objective!r}: expected one of {STATE_OBJECTIVES}")
     fixed, state, update = _fixed_parts(pb, program)
-    caps = [k.memory_gib * 2**30 for k in pb.kinds]
-    counts = pb.devices.counts
-    gather = _comm_seconds(pb, program)
+    caps, counts, gather = [k.memory_gib * 2**30 for k in pb.kinds], pb.devices.counts, _comm_seconds(pb, program)
+    first = _time_first if objective == "time" else _memory_first
+    per_class, fits = first(counts, update, gather, fixed, state, caps)
+    total = sum(n * x for n, x in zip(counts, per_class))
+    return pb.devices.expand([x / total for x in per_class]), fits
+
+
+def _time_first(counts, update, gather, fixed, state, caps) -> tuple[list[float], bool]:
+    """The fastest q within memory; then, within 0.1% of that time, the most balanced."""
     prob, q, t, m = _state_lp(counts, update)
     for c, cap in enumerate(caps):
         prob += fixed[c] + state * q[c] <= cap, f"memory_{c}"
@@ -138,9 +152,26 @@ def solve_state_ratios(pb: Problem, program: Sequence[Instruction]) -> tuple[tup
     prob += mu + 1e-3 * m  # among the most balanced, the evenest rows (the padded gather's)
     if _solve(prob) is None:
         raise MemoryInfeasible("state-ratio LP has no solution")
-    per_class = [max(0.0, float(v.value() or 0.0)) for v in q]
-    total = sum(n * x for n, x in zip(counts, per_class))
-    return pb.devices.expand([x / total for x in per_class]), best_s is not None
+    return [max(0.0, float(v.value() or 0.0)) for v in q], best_s is not None
+
+
+def _memory_first(counts, update, gather, fixed, state, caps) -> tuple[list[float], bool]:
+    """The most balanced q (least mu); then, within 0.1% of that mu, the fastest."""
+    prob, q, t, m = _state_lp(counts, update)
+    mu = prob.add_variable("mu", lowBound=0)
+    for c, cap in enumerate(caps):
+        prob += fixed[c] + state * q[c] <= mu * cap, f"balance_{c}"
+    prob += mu
+    best_mu = _solve(prob)
+    if best_mu is None:
+        raise MemoryInfeasible("state-ratio LP has no solution")
+    prob, q, t, m = _state_lp(counts, update)
+    for c, cap in enumerate(caps):
+        prob += fixed[c] + state * q[c] <= best_mu * (1 + 1e-3) * cap, f"balance_{c}"
+    prob += t + gather * m
+    if _solve(prob) is None:
+        raise MemoryInfeasible("state-ratio LP has no solution")
+    return [max(0.0, float(v.value() or 0.0)) for v in q], best_mu <= 1.0
 
 
 def _comm_seconds(pb: Problem, program: Sequence[Instruction]) -> float:
@@ -182,23 +213,35 @@ def _solve(prob: pulp.LpProblem) -> float | None:
     return float(pulp.value(prob.objective))
 
 
-def zero_problem(pb: Problem, program: Sequence[Instruction], state: TrainingState = TrainingState.ZERO1
-                 ) -> tuple[Problem, tuple[Instruction, ...]] | None:
+def zero_problem(pb: Problem, program: Sequence[Instruction], state: TrainingState = TrainingState.ZERO1,
+                 objective: str = "time") -> tuple[Problem, tuple[Instruction, ...]] | None:
     """The program with every candidate at ZeRO stage `state` and the problem at its LP's
-    state ratios, or None when there is no candidate."""
+    state ratios (`objective` first), or None when there is no candidate."""
+    found = zero_problems(pb, program, state, (objective,))
+    return found[0] if found else None
+
+
+def zero_problems(pb: Problem, program: Sequence[Instruction], state: TrainingState = TrainingState.ZERO1,
+                  objectives: Sequence[str] = STATE_OBJECTIVES) -> list[tuple[Problem, tuple[Instruction, ...]]]:
+    """zero_problem at each objective's state ratios, the same ratios once (empty without a
+    candidate)."""
     tensors = zero3_candidates(pb, program) if state == TrainingState.ZERO3 else zero_candidates(pb, program)
     if not tensors:
-        return None
-    zero = with_states(program, tensors, state)
-    q, fits = solve_state_ratios(pb, zero)
-    log.info("%s of %d parameters at state ratios %s (%s)", state, len(tensors), ", ".join(f"{x:.3f}" for x in q),
-             "the state fits" if fits else "the state alone does not fit: the ratios least over")
-    return with_state_ratios(pb, q), zero
+        return []
+    zero, out = with_states(program, tensors, state), []
+    for objective in objectives:
+        q, fits = solve_state_ratios(pb, zero, objective)
+        log.info("%s of %d parameters at state ratios %s (%s first; %s)", state, len(tensors),
+                 ", ".join(f"{x:.3f}" for x in q), objective,
+                 "the state fits" if fits else "the state alone does not fit: the ratios least over")
+        if all(any(abs(a - b) > 1e-6 for a, b in zip(q, p.state_ratios)) for p, _ in out):
+            out.append((with_state_ratios(pb, q), zero))
+    return out
 
 
 def with_state_ratios(pb: Problem, state_ratios: Sequence[float]) -> Problem:
     return Problem(pb.graph, pb.cluster, pb.ratios, pb.restrictions, state_ratios=state_ratios)
 
 
-__all__ = ["solve_state_ratios", "state_shards", "with_state_ratios", "with_states", "zero_problem",
+__all__ = ["STATE_OBJECTIVES", "solve_state_ratios", "zero_problems", "state_shards", "with_state_ratios", "with_states", "zero_problem",
            "zero3_candidates", "zero_candidates", "zero_stages", "zero_tensors"]
