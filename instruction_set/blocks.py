@@ -23,6 +23,7 @@ from typing import Sequence
 
 from instruction_set.graph import Node, ReferenceGraph
 from instruction_set.kinds import Category, Phase
+from instruction_set.layouts import Layout
 from instruction_set.kinds import kind as instruction_kind
 from instruction_set.program import Instruction
 from instruction_set.rules.state import BUFFER_UPDATE
@@ -93,4 +94,24 @@ def mark_recomputed(program: Sequence[Instruction], units: Sequence[Unit]) -> tu
                  for i, ins in enumerate(program))
 
 
-__all__ = ["Unit", "block_of", "mark_recomputed", "recompute_units", "recomputed_units"]
+
+def reads(graph: ReferenceGraph, ins: Instruction) -> list[tuple[str, Layout]]:
+    """The values (tensor, layout) an instruction reads: an op's inputs for compute and a fused
+    linear (`runs_op`; ag_matmul reads its first input in `src`, gathered under the matmul:
+    `src_tensor`), else the layout `src` of `tensor` a layout change reads (none for storage)."""
+    if ins.runs_op:
+        inputs = graph.node(ins.node).inputs
+        keys = list(zip(inputs, ins.inputs))
+        if ins.kind == "ag_matmul":
+            keys[0] = (ins.src_tensor(inputs), ins.src)
+        return keys
+    return [(ins.tensor, ins.src)] if ins.src is not None else []
+
+
+def writes(graph: ReferenceGraph, ins: Instruction) -> list[tuple[str, Layout]]:
+    """The values an instruction defines: its output, and ag_matmul's gathered input too."""
+    if ins.kind == "ag_matmul":
+        return [(ins.tensor, ins.layout), (ins.src_tensor(graph.node(ins.node).inputs), ins.inputs[0])]
+    return [(ins.tensor, ins.layout)] if ins.runs_op or ins.src is not None else []
+
+__all__ = ["Unit", "block_of", "mark_recomputed", "reads", "recompute_units", "recomputed_units", "writes"]

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from cost_models.memory import GIB, MemoryTerm
 from cost_models.terms import Series, Shares, Term
-from instruction_set.blocks import Unit, mark_recomputed, recompute_units, recomputed_units
+from instruction_set.blocks import Unit, mark_recomputed, reads, recompute_units, recomputed_units, writes
 from instruction_set.program import Instruction
 from planner.evaluate import first_input_layouts, instruction_term, memory_bytes, share_kind
 from planner.problem import Problem
@@ -36,23 +36,14 @@ from planner.problem import Problem
 log = logging.getLogger(__name__)
 
 
-def _reads(pb: Problem, ins: Instruction) -> list[tuple[str, object]]:
-    if ins.kind == "compute":
-        return list(zip(pb.graph.node(ins.node).inputs, ins.inputs))
-    return [(ins.tensor, ins.src)] if ins.src is not None else []
-
-
 def kept_inputs(pb: Problem, program: Sequence[Instruction], unit: Unit) -> list[tuple[str, object]]:
     """The non-parameter values `unit` reads from before it (what checkpoint keeps)."""
     defined, out = set(), []
     for ins in program[unit.first:unit.last]:
-        for key in _reads(pb, ins):
+        for key in reads(pb.graph, ins):
             if key not in defined and key not in out and pb.graph.node(key[0]).op not in ("param", "buffer"):
                 out.append(key)
-        if ins.kind == "compute":
-            defined.add((ins.node, ins.layout))
-        elif ins.src is not None:
-            defined.add((ins.tensor, ins.layout))
+        defined.update(writes(pb.graph, ins))
     return out
 
 

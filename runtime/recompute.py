@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from instruction_set.blocks import Unit
+from instruction_set.blocks import Unit, reads
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import P, Layout
 from instruction_set.program import Instruction
@@ -64,13 +64,6 @@ class UnitEnv(dict):
     def __setitem__(self, key: Key, value: fx.Node) -> None:
         self.defined.append(key)
         super().__setitem__(key, value)
-
-
-def reads(graph: ReferenceGraph, ins: Instruction) -> list[Key]:
-    """The values an instruction reads."""
-    if ins.kind == "compute":
-        return list(zip(graph.node(ins.node).inputs, ins.inputs))
-    return [(ins.tensor, ins.src)] if ins.src is not None else []
 
 
 def read_after(graph: ReferenceGraph, program: Sequence[Instruction], last: int) -> set[Key]:

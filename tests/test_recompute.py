@@ -63,3 +63,30 @@ def test_units_are_the_repeated_blocks() -> None:
 def peak_gib(plan) -> float:
     prediction, _ = predict_program(Problem(plan.graph, plan.cluster, plan.sharding_ratios), plan.instructions)
     return max(d.memory_gib for d in prediction.devices)
+
+
+def test_fused_linear_after_a_recomputed_block(pools) -> None:
+    """bert:tiny's layer 1 attention column-parallel on the batch-split output of layer 0
+    (post-LN: the query linear reads layer 0's last layer norm), fused (ag_matmul), and layer
+    0 recomputed: the fused instruction reads the gathered value in its `src` layout
+    (instruction_set.blocks.reads, shared by the planner and the runtime), so the recomputed
+    body returns it, and the plan trains as one device does."""
+    from hetsynth import capture_model
+    from instruction_set.blocks import reads, writes
+    from planner.problem import Restrictions
+    from runtime.recompute import read_after
+    from test_fused_parity import _linears, _split_input
+
+    ref = "bert:tiny,batch_size=12,dtype=float64"
+    graph = capture_model(ref)
+    force = _linears(graph, "layers.1.attn", "S2") | _split_input(graph, "layers.1.attn.query")
+    plan = make(ref, [0.55, 0.45], Restrictions(force=force, two_level=False, force_fusion=True))
+    first = recompute_units(plan.graph, plan.instructions)[0]
+    plan = plan.model_copy(update={"instructions": mark_recomputed(plan.instructions, [first])})
+    fused = next(i for i in plan.instructions[first.last:] if i.kind == "ag_matmul")
+    x = plan.graph.node(fused.node).inputs[0]
+    assert reads(plan.graph, fused)[0] == (x, fused.src)
+    assert (x, fused.inputs[0]) in writes(plan.graph, fused)       # the gathered input, for later readers
+    assert (x, fused.src) in read_after(plan.graph, plan.instructions, first.last)
+    assert any(i.recompute and i.runs_op and i.tensor == x for i in plan.instructions)  # defined in the body
+    check(pools, plan)
