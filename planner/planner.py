@@ -507,7 +507,8 @@ def without_sfb(plan: Plan) -> Plan:
 def with_zero(plan: Plan, state_ratios: Sequence[float] | None = None,
               state: TrainingState = TrainingState.ZERO1, scatter_variant: str | None = None) -> Plan:
     """The same plan with every replicated trained parameter's training state sharded in rows
-    (ZeRO stage `state`) at `state_ratios` (default: the state LP's, planner.zero), re-predicted
+    (ZeRO stage `state`) at `state_ratios` (default: the state LP's memory-first rows, as the
+    planner tries first, planner.zero), re-predicted
     (`scatter_variant`: the ZeRO-2 gradients' reduce-scatter variant; default the fastest)."""
     variants = {"reduce_scatter": (scatter_variant,)} if scatter_variant else {}
     restrictions = Restrictions(two_level=plan.mesh.two_level, variants=variants)
@@ -515,7 +516,7 @@ def with_zero(plan: Plan, state_ratios: Sequence[float] | None = None,
     candidates = zero3_candidates if state == TrainingState.ZERO3 else zero_candidates
     program = with_states(plan.instructions, candidates(pb, plan.instructions), state)
     q = tuple(_normalise(state_ratios, plan.cluster)) if state_ratios is not None else \
-        solve_state_ratios(pb, program)[0]
+        solve_state_ratios(pb, program, "memory")[0]
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions, state_ratios=q)
     prediction, sync = predict_program(pb, program)
     return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,

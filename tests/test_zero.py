@@ -177,6 +177,8 @@ def test_memory_first_rows_follow_free_memory(tmp_path: Path) -> None:
     swapped = Problem(graph, load_cluster(_two_devices(tmp_path, (0.0015, 0.001))), plan.sharding_ratios, DP_SEED)
     assert solve_state_ratios(swapped, program, "memory")[0] == pytest.approx(q[::-1], abs=1e-6)
     assert solve_state_ratios(pb, program, "time")[0] == pytest.approx((0.5, 0.5), abs=1e-3)
+    forced = with_zero(plan, None, TrainingState.ZERO2)  # as `hetsynth plan --zero 2`: the memory-first rows
+    assert forced.state_shards.ratios == pytest.approx(q, abs=1e-6)
 
 
 def test_planner_shards_state_when_memory_binds(pools, tmp_path: Path) -> None:
