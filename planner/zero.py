@@ -29,8 +29,20 @@ g devices):
 then, among the solutions within 0.1% of that time, the one that leaves every device the
 same fraction of its memory free (minimise mu s.t. M_c + S q_c <= mu capacity_c): so the
 state follows the memories where time does not decide (equal speeds), and the rows move off
-a device that memory binds. The full prediction (planner.step_cost) then costs the program at
-the rounded rows. q is one ratio per class (the cost model's entries), each device of a class
+a device that memory binds. That is the time-first order. The memory-first order swaps the
+two: first mu* = min mu over the same simplex, which puts
+
+    q_c = (mu* capacity_c - M_c) / S        (clipped at 0 where M_c alone exceeds mu* capacity_c)
+
+so a device with more free memory (capacity_c - M_c) holds more rows; then, within
+mu <= mu* (1 + 0.1%), the fastest q (t + G g m as above), which is where the speeds enter
+(the update term U_c q_c, and the padded collectives at the largest share m: rows that
+follow memory are uneven, and the padded collectives pay for it). The time-first optimum
+sits at even rows whenever the padded collectives dominate the update, whatever the
+memories, which is why the planner tries the memory-first rows first where memory binds
+(planner.planner._fit_memory) and keeps the time-first ones for when nothing fits so. The
+full prediction (planner.step_cost) then costs the program at the rounded rows, with the
+variant (padded, grouped, ring) cheapest there. q is one ratio per class (the cost model's entries), each device of a class
 gets it; the rows per parameter come from q by largest remainder (training_state.state_rows).
 """
 
