@@ -37,10 +37,10 @@ def _slices(variant: str) -> int:
     return 0 if variant == "ring" else int(variant.removeprefix("sliced"))
 
 
-def gather_compute(x: torch.Tensor, span: Span, variant: str,
-                   compute: K.Compute) -> tuple[list[torch.Tensor], torch.Tensor]:
+def gather_compute(x: torch.Tensor, span: Span, variant: str, compute: K.Compute, y: torch.Tensor) -> torch.Tensor:
+    """The gathered x; y written by compute, chunk by chunk."""
     k = _slices(variant)
-    return K.ag_matmul_ring(x, span, compute) if k == 0 else K.ag_matmul_sliced(x, span, compute, k)
+    return K.ag_matmul_ring(x, span, compute, y) if k == 0 else K.ag_matmul_sliced(x, span, compute, k, y)
 
 
 def compute_scatter(span: Span, variant: str, part_rows: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
@@ -55,15 +55,29 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def matmul_into(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = rows w (+ b) over the last dim, written in place (out: contiguous rows of the
+    caller's output; a contiguous view keeps its storage through the reshape)."""
+    if not out.is_contiguous():  # a reshape would copy, and the result be lost
+        raise ValueError(f"matmul_into writes into contiguous rows only, got strides {out.stride()}")
+    flat = _flat(out)
+    if b is None:
+        torch.mm(_flat(rows), w, out=flat)
+    else:
+        torch.addmm(b, _flat(rows), w, out=flat)
+
+
 class AGLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, span: Span,
                 variant: str) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
-        chunks, full = gather_compute(to_front(x, span.dim), span, variant, lambda j, s, rows: F.linear(rows, w, b))
+        xf = to_front(x, span.dim)
+        y = xf.new_empty(sum(span.lengths), *xf.shape[1:-1], w.shape[0])
+        full = gather_compute(xf, span, variant, lambda j, s, rows, out: matmul_into(rows, w.t(), b, out), y)
         ctx.save_for_backward(full, w)
         ctx.span, ctx.variant, ctx.bias = span, variant, b is not None
-        return from_front(torch.cat(chunks), span.dim), from_front(full, span.dim)
+        return from_front(y, span.dim), from_front(full, span.dim)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None, dx_other: torch.Tensor | None) -> tuple:
@@ -75,7 +89,7 @@ class AGLinear(torch.autograd.Function):
 
         def part_rows(j: int, start: int, n: int) -> torch.Tensor:
             out = dy_f.narrow(0, offsets[j] + start, n) @ w
-            return out if other is None else out + other.narrow(0, offsets[j] + start, n)
+            return out if other is None else out.add_(other.narrow(0, offsets[j] + start, n))
 
         dx = from_front(compute_scatter(span, ctx.variant, part_rows), span.dim)
         dw = _flat(dy_f).t() @ _flat(full)
@@ -102,14 +116,15 @@ class LinearRS(torch.autograd.Function):
         offsets = [span.offset(j) for j in range(span.size)]
         dw = torch.zeros_like(w)
 
-        def compute(j: int, start: int, rows: torch.Tensor) -> torch.Tensor:
+        def compute(j: int, start: int, rows: torch.Tensor, out: torch.Tensor) -> None:
             dw.add_(_flat(rows).t() @ _flat(xf.narrow(0, offsets[j] + start, rows.shape[0])))
-            return rows @ w
+            matmul_into(rows, w, None, out)
 
         dy_f = to_front(dy, span.dim)
-        chunks, _ = gather_compute(dy_f, span, ctx.variant, compute)
+        dx = dy_f.new_empty(sum(span.lengths), *dy_f.shape[1:-1], w.shape[1])
+        gather_compute(dy_f, span, ctx.variant, compute, dx)
         db = _flat(dy_f).sum(0) if ctx.bias else None
-        return from_front(torch.cat(chunks), span.dim), dw, db, None, None
+        return from_front(dx, span.dim), dw, db, None, None
 
 
 class FusedLinear(nn.Module):

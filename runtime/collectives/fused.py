@@ -7,8 +7,9 @@ move it there, runtime.collectives.span.to_front). Member j of the span owns row
 [o_j, o_j + L_j) (lengths uneven, possibly 0; every rank knows all of them, so an empty
 transfer is skipped on both ends).
 
-AG -> matmul, ring, own chunk first (rank i of g, `compute(j, start, rows)` makes the output of
-rows [start, start + len) of chunk j; the ring passes whole chunks, start 0):
+AG -> matmul, ring, own chunk first (rank i of g, `compute(j, start, rows, out)` writes the
+output of rows [start, start + len) of chunk j into out, their rows of the caller's output;
+the ring passes whole chunks, start 0, and receives each into its rows of the gathered x):
 
     post step 1 (send x_i to i+1, receive x_{i-1} from i-1);  y_i = compute(i, x_i)
     for s = 1..g-1:  wait step s;  post step s+1 (forward x_{i-s}, receive x_{i-s-1});
@@ -21,7 +22,7 @@ at member j+1 and travelling g-1 hops to j:
 
     order_s = (i + s + 1) mod g  (s = 0..g-1; order_{g-1} = i)
     acc = part(order_0);  post (send acc to i-1, receive buf from i+1)
-    for s = 1..g-1:  z = part(order_s);  wait;  acc = z + buf;  post the next step (s < g-1)
+    for s = 1..g-1:  z = part(order_s);  wait;  acc = z += buf;  post the next step (s < g-1)
     return acc                    = sum over members of their summand of chunk i
 
 k-slice baseline (`sliced`): every chunk split into k parts by largest remainder; slice t is
@@ -42,8 +43,10 @@ import torch.distributed as dist
 
 from runtime.collectives.span import Span, pad_rows
 
-Compute = Callable[[int, int, torch.Tensor], torch.Tensor]  # (member j, first row in x_j, rows) -> their output
-Part = Callable[[int], torch.Tensor]                    # member j -> this rank's summand of chunk j
+Compute = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+# (member j, first row in x_j, rows, out): writes the output of those rows into `out` (a view
+# of the caller's output with as many rows), so that no chunk's result is copied again
+Part = Callable[[int], torch.Tensor]  # member j -> this rank's summand of chunk j, a new tensor (added into)
 
 
 def _post(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int) -> list[Any]:
@@ -63,37 +66,39 @@ def _wait(works: list[Any]) -> None:
         w.wait()
 
 
-def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(output chunks in member order, the gathered x): the ring above, own chunk first."""
+def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute, y: torch.Tensor) -> torch.Tensor:
+    """The gathered x, with y (sum of the lengths rows, front layout) written chunk by chunk:
+    the ring above, own chunk first. Every chunk is received straight into its rows of the
+    gathered x (no concatenation afterwards), and the own rows are copied there while step 1
+    is in flight."""
     g, i = span.size, span.index
     x = x.contiguous()
-    blocks: list[torch.Tensor] = [x] * g
-    for j, n in enumerate(span.lengths):
-        if j != i:
-            blocks[j] = x.new_empty(n, *x.shape[1:])
-    out: list[torch.Tensor | None] = [None] * g
+    full = x.new_empty(sum(span.lengths), *x.shape[1:])
+    blocks = [full.narrow(0, span.offset(j), n) for j, n in enumerate(span.lengths)]
     works = _post(x, blocks[(i - 1) % g], span, 1) if g > 1 else []
-    out[i] = compute(i, 0, x)
+    compute(i, 0, x, y.narrow(0, span.offset(i), span.lengths[i]))
+    blocks[i].copy_(x)
     for s in range(1, g):
         _wait(works)
         j = (i - s) % g
         works = _post(blocks[j], blocks[(j - 1) % g], span, 1) if s < g - 1 else []
-        out[j] = compute(j, 0, blocks[j])
-    return out, torch.cat(blocks)  # type: ignore[return-value]
+        compute(j, 0, blocks[j], y.narrow(0, span.offset(j), span.lengths[j]))
+    return full
 
 
 def matmul_rs_ring(span: Span, part: Part) -> torch.Tensor:
-    """This rank's chunk of the sum over members of part(·): the ring above, own chunk last."""
+    """This rank's chunk of the sum over members of part(·): the ring above, own chunk last;
+    the received partial sum is added into the new summand in place, one receive buffer."""
     g, i = span.size, span.index
     order = [(i + s + 1) % g for s in range(g)]
     acc = part(order[0]).contiguous()
-    works, buf = [], acc
+    received = acc.new_empty(max(span.lengths), *acc.shape[1:]) if g > 1 else acc
     for s in range(1, g):
-        buf = acc.new_empty(span.lengths[order[s]], *acc.shape[1:])
+        buf = received.narrow(0, 0, span.lengths[order[s]])
         works = _post(acc, buf, span, -1)
         z = part(order[s])
         _wait(works)
-        acc = (z + buf).contiguous()
+        acc = z.add_(buf).contiguous()
     return acc
 
 
@@ -107,45 +112,33 @@ def _slices(span: Span, k: int) -> list[list[int]]:
     return [split_parts(n, k) for n in span.lengths]
 
 
-def ag_matmul_sliced(x: torch.Tensor, span: Span, compute: Compute, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """k-slice baseline of ag_matmul_ring (same results): slice t's all-gather in flight while
-    slice t-1's rows are multiplied."""
+def ag_matmul_sliced(x: torch.Tensor, span: Span, compute: Compute, k: int, y: torch.Tensor) -> torch.Tensor:
+    """k-slice baseline of ag_matmul_ring (same results, y written, the gathered x returned):
+    slice t's all-gather in flight while slice t-1's rows are multiplied."""
     parts = _slices(span, k)
     rows = [max(p[t] for p in parts) for t in range(k)]
     steps = [t for t in range(k) if rows[t] > 0]
-    offsets = [[sum(p[:t]) for t in range(k)] for p in parts]
+    offsets = [[span.offset(j) + sum(p[:t]) for t in range(k)] for j, p in enumerate(parts)]
     mine = x.contiguous()
+    full = x.new_empty(sum(span.lengths), *x.shape[1:])
 
     def post(t: int) -> tuple[Any, torch.Tensor]:
-        piece = pad_rows(mine.narrow(0, offsets[span.index][t], parts[span.index][t]), rows[t])
+        start = offsets[span.index][t] - span.offset(span.index)
+        piece = pad_rows(mine.narrow(0, start, parts[span.index][t]), rows[t])
         out = x.new_empty(span.size * rows[t], *x.shape[1:])
         return dist.all_gather_single(out, piece.contiguous(), group=span.group, async_op=True), out
 
-    got: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     pending = post(steps[0]) if steps else None
     for n, t in enumerate(steps):
         work, out = pending  # type: ignore[misc]
         work.wait()
         pending = post(steps[n + 1]) if n + 1 < len(steps) else None
         for j in range(span.size):
-            rows_j = out.narrow(0, j * rows[t], parts[j][t])
-            got[(j, t)] = (rows_j, compute(j, offsets[j][t], rows_j))
-    return _assemble(x, span, k, got, compute)
-
-
-def _assemble(x: torch.Tensor, span: Span, k: int, got: dict,
-              compute: Compute) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Per member, its slices' rows and outputs in slice order (a member without rows in any
-    slice: compute on 0 rows)."""
-    chunks, full = [], []
-    for j in range(span.size):
-        pieces = [got[(j, t)] for t in range(k) if (j, t) in got]
-        if not pieces:
-            empty = x.new_empty(0, *x.shape[1:])
-            pieces = [(empty, compute(j, 0, empty))]
-        full.append(torch.cat([p[0] for p in pieces]))
-        chunks.append(torch.cat([p[1] for p in pieces]))
-    return chunks, torch.cat(full)
+            at = offsets[j][t]
+            got = full.narrow(0, at, parts[j][t])
+            got.copy_(out.narrow(0, j * rows[t], parts[j][t]))
+            compute(j, at - span.offset(j), got, y.narrow(0, at, parts[j][t]))
+    return full
 
 
 def matmul_rs_sliced(span: Span, part_rows: Callable[[int, int, int], torch.Tensor], k: int) -> torch.Tensor:
