@@ -2,7 +2,7 @@
 k-slicing (k = 2, 4) and as the fused ring (runtime.collectives.fused), beside the matmul
 alone, on the emulated cluster (needs root), inside a node and across the shaped link.
 
-    python bench/overlap.py [--pilot] [--reps N]
+    python bench/overlap.py [--pilot | --trace PATH | --e2e-only | --no-e2e] [--reps N]
 
 Environments (generated from bench/results/local-emulated-measured.toml, its measured device
 kinds and links):
@@ -47,14 +47,15 @@ def environment(name: str, workdir: Path) -> Path:
     return path
 
 
-def measure(spec_path: Path, cases: list[dict], reps: int, workdir: Path) -> list[dict]:
+def measure(spec_path: Path, cases: list[dict], reps: int, workdir: Path, trace: bool = False) -> list[dict]:
     from instruction_set.cluster import load_cluster
     from runtime.launch import launch_checked
 
     case_file, out = workdir / "cases.json", workdir / "records.json"
     case_file.write_text(json.dumps(cases))
     launch_checked(load_cluster(spec_path), [str(ROOT / "bench" / "overlap_worker.py"), "--cases", str(case_file),
-                                             "--reps", str(reps), "--out", str(out)], "overlap measurement")
+                                             "--reps", str(reps), "--out", str(out), *(["--trace"] if trace else [])],
+                     "overlap measurement")
     return json.loads(out.read_text())
 
 
@@ -206,10 +207,14 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     for name, plan in (("fused", fused), ("unfused", plain)):
         paths[name] = workdir / f"{name}.json"
         hetsynth.save_plan(plan, paths[name])
-    report = workdir / "compare.json"
+    report, raw = workdir / "compare.json", workdir / "raw"
+    raw.mkdir()
+    raw.chmod(0o777)  # ranks of an emulated cluster may run as another user
     launch_checked(spec, ["-m", "runtime.compare", "--plans", str(paths["fused"]), str(paths["unfused"]),
                           "--names", "fused", "unfused", "--warmup", "2", "--rounds", str(rounds), "--steps", "2",
-                          "--report", str(report)], "end-to-end measurement")
+                          "--traced", "fused", "--trace-raw", str(raw), "--report", str(report)],
+                   "end-to-end measurement")
+    per_instruction(fused, raw, workdir)
     times = json.loads(report.read_text())
     for name in ("fused", "unfused"):
         print(name, "step seconds", [round(x, 3) for x in times[name]["step_seconds"]],
@@ -225,6 +230,28 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     return result, row
 
 
+def per_instruction(plan, raw: Path, workdir: Path) -> None:
+    """The fused plan's traced steps (runtime.compare --traced, interleaved with the timed ones):
+    predicted against measured seconds per instruction (hetsynth.measured, as `hetsynth run
+    --trace` writes them), kept in bench/results/overlap_e2e_instructions.json; prints the
+    step's totals by kind and the instructions that differ most."""
+    from hetsynth.measured import write_measured
+
+    result = write_measured(plan, raw, workdir / "trace.json")
+    write_json("overlap_e2e_instructions.json", result)
+    by_kind: dict[str, list[float]] = {}
+    for row in result["instructions"]:
+        acc = by_kind.setdefault(f"{row['kind']} ({row['lane']})", [0.0, 0.0, 0])
+        acc[0], acc[1], acc[2] = acc[0] + row["predicted_s"], acc[1] + row["measured_s"], acc[2] + 1
+    rows = [[k, n, f"{p * 1e3:.1f}", f"{m * 1e3:.1f}"] for k, (p, m, n) in sorted(by_kind.items())]
+    rows += [[g["name"], "", f"{g['predicted_s'] * 1e3:.1f}", f"{g['measured_s'] * 1e3:.1f}"] for g in result["bulk"]]
+    rows.append(["step", "", f"{result['step']['predicted_s'] * 1e3:.1f}", f"{result['step']['measured_s'] * 1e3:.1f}"])
+    print_table(rows, ["traced fused step: kind", "instructions", "predicted ms", "measured ms (slowest rank)"])
+    worst = sorted(result["instructions"], key=lambda r: -abs(r["measured_s"] - r["predicted_s"]))[:10]
+    print_table([[r["name"], r["kind"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}"] for r in worst],
+                ["instruction", "kind", "predicted ms", "measured ms"])
+
+
 E2E_HEADER = ["end to end", "fused s/step", "unfused s/step", "predicted fused", "predicted unfused", "note"]
 
 
@@ -233,7 +260,10 @@ def main() -> None:
     parser.add_argument("--pilot", action="store_true", help="a few cases per environment; prints only")
     parser.add_argument("--envs", nargs="+", default=["inside", "across"])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--trace", type=Path, help="also trace one more call of every variant (every rank's "
+                        "matmul intervals) and write the raw records there; prints only, like --pilot")
     parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end case (keeps the cases)")
+    parser.add_argument("--no-e2e", action="store_true", help="the cases only (keeps the last end-to-end result)")
     parser.add_argument("--e2e-model", default="gpt:small-cpu")
     parser.add_argument("--e2e-rounds", type=int, default=3)
     args = parser.parse_args()
@@ -244,13 +274,15 @@ def main() -> None:
         old = json.loads((RESULTS / "overlap.json").read_text())
         write_json("overlap.json", {"cases": old["cases"], "end_to_end": result})
         return
-    rows, records = [], []
+    rows, records, traces = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for env in args.envs:
             spec = environment(env, Path(tmp))
             model = Model(spec)
             todo = pilot_cases(env) if args.pilot else cases(env, model)
-            for r in measure(spec, todo, args.reps, Path(tmp)):
+            measured = measure(spec, todo, args.reps, Path(tmp), trace=args.trace is not None)
+            traces += measured
+            for r in measured:
                 record, row = analyse(r, model.predict(r))
                 records.append(record)
                 rows.append(row)
@@ -258,11 +290,19 @@ def main() -> None:
     print(markdown_table(rows, HEADER))
     s = summary(records)
     print(json.dumps(s))
-    if not args.pilot:  # the end-to-end case (--e2e-only) is kept from the last run that made it
-        old = RESULTS / "overlap.json"
-        e2e = json.loads(old.read_text()).get("end_to_end") if old.exists() else None
-        write_json("overlap.json", {"cases": [{k: v for k, v in r.items() if not k.startswith("_")}
-                                              for r in records], "end_to_end": e2e})
+    if args.trace:
+        args.trace.write_text(json.dumps(traces))
+    if args.pilot or args.trace:
+        return
+    cases_json = [{k: v for k, v in r.items() if not k.startswith("_")} for r in records]
+    old = RESULTS / "overlap.json"  # the end-to-end case is kept from the last run that made it until replaced
+    e2e = json.loads(old.read_text()).get("end_to_end") if old.exists() else None
+    write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
+    if not args.no_e2e:
+        with tempfile.TemporaryDirectory() as tmp:
+            e2e, row = end_to_end("across", args.e2e_model, Path(tmp), args.e2e_rounds)
+        print_table([row], E2E_HEADER)
+        write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Worker of bench/overlap.py (run by torchrun on an emulated cluster): time the matmul alone,
 the unfused pair, k-slicing (k = 2, 4) and the fused ring of every case, interleaved; each
-repetition's time is the slowest rank's. Rank 0 writes the records (medians) as JSON.
+repetition's time is the slowest rank's. The matmul alone is chunked as the fused ring and
+writes into one output as it does (x W^T chunk by chunk into views of y). Rank 0 writes the records (medians) as JSON.
 
 A case (JSON): {"name", "kind": "ag_matmul" | "matmul_rs", "lengths": [rows per member],
 "hidden", "out"}. ag_matmul: x (sum lengths, hidden) split by rows, W (out, hidden),
@@ -40,6 +41,7 @@ def _slowest(seconds: float) -> float:
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    TRACE.clear()
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -53,14 +55,25 @@ def ag_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
     w = torch.randn(case["out"], case["hidden"], generator=g)
     full = torch.randn(sum(lengths), case["hidden"], generator=g)
 
-    def compute(j: int, start: int, rows: torch.Tensor) -> torch.Tensor:
-        return rows @ w.t()
+    @traced_by("chunk")
+    def compute(j: int, start: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(rows, w.t(), out=out)
 
-    return {"matmul": lambda: [compute(j, 0, full.narrow(0, offsets[j], n)) for j, n in enumerate(lengths)],
-            "unfused": lambda: gather_padded(x, span) @ w.t(),
-            "sliced2": lambda: ag_matmul_sliced(x, span, compute, 2),
-            "sliced4": lambda: ag_matmul_sliced(x, span, compute, 4),
-            "fused": lambda: ag_matmul_ring(x, span, compute)}
+    def y() -> torch.Tensor:
+        return x.new_empty(sum(lengths), case["out"])
+
+    def alone() -> torch.Tensor:
+        out = y()
+        for j, n in enumerate(lengths):
+            compute(j, 0, full.narrow(0, offsets[j], n), out.narrow(0, offsets[j], n))
+        return out
+
+    gather, gemm = traced("collective", gather_padded), traced("gemm", lambda a: a @ w.t())
+    return {"matmul": alone,
+            "unfused": lambda: gemm(gather(x, span)),
+            "sliced2": lambda: ag_matmul_sliced(x, span, compute, 2, y()),
+            "sliced4": lambda: ag_matmul_sliced(x, span, compute, 4, y()),
+            "fused": lambda: ag_matmul_ring(x, span, compute, y())}
 
 
 def rs_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
@@ -69,20 +82,63 @@ def rs_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
     x = torch.randn(sum(lengths), case["hidden"], generator=g)
     w = torch.randn(case["out"], case["hidden"], generator=g)
 
+    @traced_by("chunk")
     def part(j: int) -> torch.Tensor:
         return x.narrow(0, offsets[j], lengths[j]) @ w.t()
 
+    @traced_by("chunk")
     def part_rows(j: int, start: int, rows: int) -> torch.Tensor:
         return x.narrow(0, offsets[j] + start, rows) @ w.t()
 
+    scatter, gemm = traced("collective", scatter_padded), traced("gemm", lambda a: a @ w.t())
     return {"matmul": lambda: [part(j) for j in range(span.size)],
-            "unfused": lambda: scatter_padded(x @ w.t(), span),
+            "unfused": lambda: scatter(gemm(x), span),
             "sliced2": lambda: matmul_rs_sliced(span, part_rows, 2),
             "sliced4": lambda: matmul_rs_sliced(span, part_rows, 4),
             "fused": lambda: matmul_rs_ring(span, part)}
 
 
-def measure_case(span: Span, case: dict, reps: int) -> dict:
+TRACE: list[tuple[str, float, float]] = []  # (what, start, end) of the timed calls' matmuls, perf_counter
+
+
+def traced(what: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn, recording each call's start and end in TRACE (a few microseconds a call)."""
+    def run(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = fn(*args)
+        TRACE.append((what, start, time.perf_counter()))
+        return out
+    return run
+
+
+def traced_by(what: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    return lambda fn: traced(what, fn)
+
+
+def retransmitted() -> int:
+    """TCP segments retransmitted so far in this network namespace (/proc/net/snmp)."""
+    lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
+def trace_case(fns: dict[str, Callable[[], object]]) -> dict[str, list]:
+    """One more call of every variant, each matmul's (what, start, end) in ms from the call's start,
+    the call's end and the TCP segments retransmitted meanwhile in this namespace: where a fused
+    call spends the time that the matmul alone does not."""
+    out = {}
+    for v, fn in fns.items():
+        dist.barrier()
+        TRACE.clear()
+        lost = retransmitted()
+        start = time.perf_counter()
+        fn()
+        end = time.perf_counter()
+        out[v] = [[w, round((a - start) * 1e3, 3), round((b - start) * 1e3, 3)] for w, a, b in TRACE]
+        out[v].append(["end", round((end - start) * 1e3, 3), retransmitted() - lost])
+    return out
+
+
+def measure_case(span: Span, case: dict, reps: int, trace: bool = False) -> dict:
     fns = (ag_variants if case["kind"] == "ag_matmul" else rs_variants)(span, case)
     for fn in fns.values():  # warm up
         fn()
@@ -90,8 +146,13 @@ def measure_case(span: Span, case: dict, reps: int) -> dict:
     for _ in range(reps):
         for v in VARIANTS:
             times[v].append(_timed(fns[v]))
-    return {**case, **{f"{v}_s": statistics.median(ts) for v, ts in times.items()},
-            "samples": {v: ts for v, ts in times.items()}}
+    record = {**case, **{f"{v}_s": statistics.median(ts) for v, ts in times.items()},
+              "samples": {v: ts for v, ts in times.items()}}
+    if trace:
+        traces: list = [None] * span.size
+        dist.all_gather_object(traces, trace_case(fns))
+        record["trace"] = traces
+    return record
 
 
 def main() -> None:
@@ -99,6 +160,7 @@ def main() -> None:
     p.add_argument("--cases", required=True, help="JSON file with the cases")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", required=True)
+    p.add_argument("--trace", action="store_true", help="record every rank's matmul intervals of one more call")
     args = p.parse_args()
     sys.exit(run_rank(lambda rank, device: run(rank, args), timeout_s=900, device=torch.device("cpu")))
 
@@ -108,7 +170,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
     records = []
     for case in json.loads(Path(args.cases).read_text()):
         span = Span(dist.group.WORLD, tuple(range(world)), rank, 0, tuple(case["lengths"]))
-        records.append(measure_case(span, case, args.reps))
+        records.append(measure_case(span, case, args.reps, args.trace))
     if rank == 0:
         Path(args.out).write_text(json.dumps(records))
 
