@@ -152,11 +152,10 @@ def predicted_instructions(plan: Plan) -> list[InstructionTimes]:
 def predicted_step(plan: Plan) -> PredictedStep:
     """The plan's step laid out as the cost model sees it; checked against its prediction."""
     from planner.evaluate import first_input_layouts, instruction_term
-    from planner.problem import Problem, Restrictions
+    from planner.problem import plan_problem
     from planner.step_cost import backward_share, forward_share, is_bucketed, scalar_terms, state_gather_terms
 
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level),
-                 state_ratios=plan.state_shards.ratios if plan.state_shards else None)
+    pb = plan_problem(plan)
     expand, x_layouts, times = pb.devices.expand, first_input_layouts(plan.instructions), {}
     for index, ins in enumerate(plan.instructions):
         term = None if is_bucketed(ins) else instruction_term(pb, ins, x_layouts)

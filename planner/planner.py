@@ -46,7 +46,7 @@ from instruction_set.training_state import TrainingState
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
-from planner.problem import Problem, Restrictions
+from planner.problem import Problem, Restrictions, plan_problem
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
 from planner.recompute import fit_by_recompute
@@ -373,7 +373,7 @@ def _shortfall_message(graph: ReferenceGraph, cluster: ClusterSpec, best: Candid
 
 def shortfall_message(plan: Plan) -> str:
     """PlanInfeasible's message for a plan that does not fit (`make_plan(keep_unfit=True)`)."""
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
+    pb = plan_problem(plan)
     program = tuple(unfuse_program(pb, plan.instructions))
     prediction, sync = predict_program(pb, program, None)
     return _shortfall_message(plan.graph, plan.cluster, Candidate(plan.sharding_ratios, program, prediction, sync, pb))
@@ -479,7 +479,7 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
 def without_fusion(plan: Plan) -> Plan:
     """The same plan with every fused collective-matmul as its plain pair (same layouts,
     ratios and shard lengths), re-predicted: the control of bench/overlap.py."""
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, Restrictions(two_level=plan.mesh.two_level))
+    pb = plan_problem(plan)
     program = unfuse_program(pb, plan.instructions)
     prediction, sync = predict_program(pb, program, plan.gradient_sync.shape if plan.gradient_sync else None)
     return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
@@ -489,9 +489,7 @@ def without_fusion(plan: Plan) -> Plan:
 def without_sfb(plan: Plan) -> Plan:
     """The same plan with every SFB weight synchronised by a backward all-reduce instead
     (same layouts, ratios and shard lengths), re-predicted: the control of the SFB benchmark."""
-    restrictions = Restrictions(two_level=plan.mesh.two_level)
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions,
-                 state_ratios=plan.state_shards.ratios if plan.state_shards else None)
+    pb = plan_problem(plan)
     program = []
     for ins in plan.instructions:
         if ins.kind == "sfb":

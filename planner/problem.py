@@ -39,6 +39,7 @@ from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.kinds import Category, conversion_kind
 from instruction_set.kinds import kind as instruction_kind
 from instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
+from instruction_set.plan import Plan
 from instruction_set.rules import Rule, product_rule, rules_for
 from instruction_set.shards import DimClasses, ShardLengths
 
@@ -459,3 +460,18 @@ class Problem:
             if a and b:
                 paths.append((a, b))
         return paths
+
+
+def plan_problem(plan: Plan, *, states: bool = True) -> Problem:
+    """The problem a finished plan lives in: its graph, cluster and ratios, the restrictions its
+    mesh records (a one-level plan's problem has a one-level mesh: no inner/outer axes, no
+    two-level layouts or device classes) and, with `states`, its ZeRO-1 state ratios (a program
+    with zero1 parameters cannot be costed without them). Every re-costing of a plan builds its
+    problem here."""
+    state_ratios = plan.state_shards.ratios if states and plan.state_shards else None
+    return Problem(plan.graph, plan.cluster, plan.sharding_ratios, plan_restrictions(plan), state_ratios=state_ratios)
+
+
+def plan_restrictions(plan: Plan) -> Restrictions:
+    """What a plan records of the restrictions it was made under: whether its mesh is two-level."""
+    return Restrictions(two_level=plan.mesh.two_level)

@@ -36,7 +36,7 @@ from cost_models.terms import seconds
 from instruction_set.cluster import ClusterSpec
 from instruction_set.pipeline import Boundary, PipelineStage
 from instruction_set.plan import Plan
-from planner.problem import Problem
+from planner.problem import Problem, plan_problem
 from planner.step_cost import _split
 
 Channel = tuple[int, str]  # (boundary index, "F" | "B")
@@ -52,13 +52,9 @@ class StagePhases:
     sync_s: float
 
 
-def _problem(plan: Plan) -> Problem:
-    return Problem(plan.graph, plan.cluster, plan.sharding_ratios)
-
-
 def stage_phases(plan: Plan) -> StagePhases:
     """F, B, U and Y of a stage plan (module docstring), on the plan's own sub-cluster."""
-    pb = _problem(plan)
+    pb = plan_problem(plan)
     forward, backward, post = _split(pb, list(plan.instructions))
     return StagePhases(forward_s=sum(seconds(t.time) for t in forward),
                        backward_s=sum(seconds(f) for f in backward if f is not None),

@@ -70,3 +70,27 @@ def test_slow_link_spec_loads_with_its_emulation():
     assert spec.links.inter_node_bandwidth_gbps == 0.05 < LOCAL.links.inter_node_bandwidth_gbps
     assert spec.emulation is not None and sum(spec.emulation.cpu_quota[d.kind] for d in spec.devices) == 1.5
     assert spec.emulation.burst_kib == 16 and LOCAL.emulation is not None and LOCAL.emulation.burst_kib == 256
+
+
+def test_every_recosting_of_a_one_level_plan_keeps_its_one_level_mesh(monkeypatch):
+    """stage_phases, the trace's step, without_fusion and the shortfall message rebuild the
+    plan's problem (planner.problem.plan_problem): a DP-CP plan has a one-level mesh, and each
+    of them must cost it on one, not on the default two-level one."""
+    from hetsynth.trace import predicted_step
+    from planner import baselines
+    from planner.planner import shortfall_message, without_fusion
+    from planner.problem import Problem
+
+    plan = make_plan(capture_model("gpt:tiny"), LOCAL, ratios=baselines.proportional(LOCAL),
+                     restrictions=baselines.DP, width=8, progress=False, with_baselines=False)
+    assert not plan.mesh.two_level
+    built, init = [], Problem.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self.mesh.two_level)
+    monkeypatch.setattr(Problem, "__init__", spy)
+    for recost in (stage_phases, predicted_step, without_fusion, shortfall_message):
+        built.clear()
+        recost(plan)
+        assert built and not any(built), recost.__name__
