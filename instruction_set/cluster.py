@@ -71,6 +71,14 @@ class DeviceKind(_Frozen):
         default=0.0, ge=0,
         description="the compute time this device loses per asynchronous message in flight (waking "
                     "the transfer threads), beside transfer_cpu_share; measured by hetsynth profile")
+    p2p_cpu_share: float | None = Field(
+        default=None, ge=0, le=1,
+        description="transfer_cpu_share for point-to-point messages (pipeline boundaries), measured "
+                    "apart from the all-reduces' by hetsynth profile; unset: transfer_cpu_share")
+    p2p_cpu_us_per_message: float | None = Field(
+        default=None, ge=0,
+        description="transfer_cpu_us_per_message for point-to-point messages (pipeline boundaries); "
+                    "unset: transfer_cpu_us_per_message")
     measured: bool = False
 
 

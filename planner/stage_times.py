@@ -20,8 +20,10 @@ A boundary transfer (forward: the activation; backward: its gradient) takes its 
 plan's predicted seconds and occupies the NICs its chains cross, (host, "out") at the sender
 and (host, "in") at the receiver: transfers that share a NIC queue for it
 (cost_models.schedule). What the transfer costs the CPU workers at both ends while it runs in
-the background (the kinds' measured `transfer_cpu_share` of its seconds plus
-`transfer_cpu_us_per_message` per slice, as planner.step_cost charges the gradient buckets)
+the background (the kinds' measured point-to-point share of its seconds plus their cost per
+message times the slices, `p2p_cpu_share` and `p2p_cpu_us_per_message`, profiled apart from
+the all-reduces' that planner.step_cost charges the gradient buckets; a spec profiled without
+them falls back to those)
 is added to the sending and the receiving action of that micro-batch.
 """
 
@@ -33,7 +35,7 @@ from typing import Hashable, Sequence
 from cost_models.comm import CommModel
 from cost_models.schedule import StageTimes
 from cost_models.terms import seconds
-from instruction_set.cluster import ClusterSpec
+from instruction_set.cluster import ClusterSpec, DeviceKind
 from instruction_set.pipeline import Boundary, PipelineStage
 from instruction_set.plan import Plan
 from planner.problem import Problem, plan_problem
@@ -121,8 +123,17 @@ def transfer_cpu_s(stage: PipelineStage, boundary: Boundary, b: int, transfer_s:
     for r, n in slices.items():
         kind = plan.cluster.device_kinds[plan.cluster.devices[r - stage.first_rank].kind]
         if n:
-            costs.append(kind.transfer_cpu_share * transfer_s + kind.transfer_cpu_us_per_message * 1e-6 * n)
+            share, per_message = p2p_cpu(kind)
+            costs.append(share * transfer_s + per_message * 1e-6 * n)
     return max(costs, default=0.0)
+
+
+def p2p_cpu(kind: DeviceKind) -> tuple[float, float]:
+    """(gamma, us per message) of a point-to-point transfer on this kind: the profile's
+    point-to-point fit, else (no such measurement) its all-reduces'."""
+    if kind.p2p_cpu_share is None or kind.p2p_cpu_us_per_message is None:
+        return kind.transfer_cpu_share, kind.transfer_cpu_us_per_message
+    return kind.p2p_cpu_share, kind.p2p_cpu_us_per_message
 
 
 def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from instruction_set.cluster import dump_cluster_toml, load_cluster
 from instruction_set.mesh import Mesh
-from profiling.overlap import transfer_cpu_rows
+from profiling.overlap import p2p_cpu_rows, transfer_cpu_rows
 from profiling.profiler import measure_collectives, measure_compute, measured_spec
 from runtime.groups import Groups
 from runtime.rank import run_rank
@@ -55,6 +55,7 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
         records["intra"] = measure_collectives(groups, "inner", sizes, device, args.reps)
         records["outer"] = measure_collectives(groups, "outer", sizes, device, args.reps, OUTER_SKEWS)
     compute["transfer_cpu_rows"] = transfer_cpu_rows(groups.group("all"), device)
+    compute["p2p_cpu_rows"] = p2p_cpu_rows(cluster.rank_nodes(), rank, device)
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(compute, gathered, dst=0)
     if rank == 0:
@@ -69,9 +70,14 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
                      "in flight (messages, transfer ms, lost ms): %s", d.name, d.kind, c["throughput_flops"] / 1e9,
                      c["memory_bandwidth_gbyte_s"], c["kernel_launch_us"],
                      ", ".join(f"({k}, {s * 1e3:.1f}, {x * 1e3:.1f})" for k, s, x in c["transfer_cpu_rows"]))
+            log.info("%-12s point-to-point: %s", d.name,
+                     ", ".join(f"({k}, {s * 1e3:.1f}, {x * 1e3:.1f})" for k, s, x in c["p2p_cpu_rows"]) or "none")
         for name, kind in spec.device_kinds.items():
             log.info("%-10s transfers take %.2f of their time + %.0f us per message", name,
                      kind.transfer_cpu_share, kind.transfer_cpu_us_per_message)
+            if kind.p2p_cpu_share is not None:
+                log.info("%-10s point-to-point: %.2f of their time + %.0f us per message", name,
+                         kind.p2p_cpu_share, kind.p2p_cpu_us_per_message)
 
 
 if __name__ == "__main__":

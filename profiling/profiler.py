@@ -189,6 +189,10 @@ def fit_transfer_cpu(rows: Sequence[Sequence[float]]) -> dict[str, float]:
     return {"transfer_cpu_share": min(1.0, share), "transfer_cpu_us_per_message": per_message * 1e6}
 
 
+def _p2p(fit: dict[str, float]) -> dict[str, float]:
+    return {"p2p_cpu_share": fit["transfer_cpu_share"], "p2p_cpu_us_per_message": fit["transfer_cpu_us_per_message"]}
+
+
 def nonnegative_fit(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """Least squares for two non-negative unknowns (the unconstrained solution, or the best
     with one of them at 0)."""
@@ -231,6 +235,8 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
             "kernel_launch_us": mean("kernel_launch_us"), "measured": True,
             **(fit_transfer_cpu([x for r in rows for x in r["transfer_cpu_rows"]])
-               if all("transfer_cpu_rows" in r for r in rows) else {})})
+               if all("transfer_cpu_rows" in r for r in rows) else {}),
+            **(_p2p(fit_transfer_cpu([x for r in rows for x in r["p2p_cpu_rows"]]))
+               if all(r.get("p2p_cpu_rows") for r in rows) else {})})
     return cluster.model_copy(update={"device_kinds": kinds,
                                       "calibration": calibration(records, cluster.rank_nodes())})

@@ -205,8 +205,16 @@ def _link(t: PipelineTrainer, index: int, m: int) -> Link:
     return Link(plan, t.groups.rank, t.world, stage_group, tag, t.outbox, dtype, first)
 
 
-def run_actions(t: PipelineTrainer, step: int) -> torch.Tensor:
-    """This rank's stage actions for one step; returns its summed loss summand."""
+ACTION_PHASES = {ActionOp.F: "forward", ActionOp.B: "backward", ActionOp.RECV_F: "receive",
+                 ActionOp.RECV_B: "receive", ActionOp.SEND_F: "send", ActionOp.SEND_B: "send"}
+
+
+def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = None) -> torch.Tensor:
+    """This rank's stage actions for one step; returns its summed loss summand. `spent` gets
+    the seconds of each kind of action (ACTION_PHASES; receive: the wait for the data), to set
+    against the prediction's per-micro-batch forward and backward."""
+    spent = {} if spent is None else spent
+    clock = time.perf_counter()
     pipeline, s = t.pipeline, t.stage.index
     stats = statistics(t, step)
     received: dict[int, dict] = {}
@@ -216,6 +224,7 @@ def run_actions(t: PipelineTrainer, step: int) -> torch.Tensor:
     last = s == len(pipeline.stages) - 1
     posted = {(a.boundary, a.micro_batch): post_receive(_link(t, a.boundary, a.micro_batch))
               for a in pipeline.actions[s] if a.op is ActionOp.RECV_F}  # all ahead (runtime.pipeline.transfer)
+    spent["setup"], clock = time.perf_counter() - clock, time.perf_counter()  # statistics, receives posted
     for a in pipeline.actions[s]:
         m = a.micro_batch
         if a.op is ActionOp.RECV_F:
@@ -242,6 +251,9 @@ def run_actions(t: PipelineTrainer, step: int) -> torch.Tensor:
             outs.pop(m, None)
             if roots:
                 torch.autograd.backward(roots, [None if last else r.new_zeros(0) for r in roots])
+        now = time.perf_counter()
+        spent[ACTION_PHASES[a.op]] = spent.get(ACTION_PHASES[a.op], 0.0) + now - clock
+        clock = now
     return loss
 
 
@@ -312,16 +324,18 @@ def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
 
 def train_step(t: PipelineTrainer, step: int) -> float:
     """One step (module docstring); returns the global loss. `t.phases` gets this rank's
-    seconds of the actions, the gradient syncs, and the norm with the update."""
+    seconds of the actions (and of each kind of action, `actions.forward` ...), the gradient
+    syncs, and the norm with the update."""
     with precision(t.config.dtype):
-        start = time.perf_counter()
-        loss = run_actions(t, step)
+        start, spent = time.perf_counter(), {}
+        loss = run_actions(t, step, spent)
         t.outbox.flush()
         actions = time.perf_counter()
         sync_gradients(t)
         synced = time.perf_counter()
         value = clip_and_step(t, loss)
-    t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": time.perf_counter() - synced}
+    t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": time.perf_counter() - synced,
+                **{f"actions.{k}": v for k, v in spent.items()}}
     t.losses.append(value)
     return value
 
