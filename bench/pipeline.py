@@ -97,7 +97,7 @@ def _baselines(ref: str, cluster_path: Path) -> tuple[dict, object]:
 
 def _facts(plan) -> dict:
     return {"chosen_shape": str(plan.shape), "chosen_schedule": str(plan.pipeline.schedule),
-            "stages": describe(plan), "transfer_vs_compute": transfer_ratios(plan)}
+            "stages": describe(plan), "transfer_vs_compute": transfer_ratios(plan), "stage_terms": stage_terms(plan)}
 
 
 def main_plans(cluster_path: Path) -> tuple[dict, dict]:
@@ -127,6 +127,23 @@ def describe(plan) -> str:
     parts = [f"stage {s.index}: ranks {s.first_rank}-{s.ranks.stop - 1}, calls {s.calls[0]}-{s.calls[1] - 1}"
              for s in p.stages]
     return f"{len(p.stages)} stages ({'; '.join(parts)}), M={len(p.micro_batches)} x {max(p.micro_batches)}"
+
+
+def stage_terms(plan) -> list[dict]:
+    """Per stage, the predicted seconds per step of its forward and backward halves (summed over
+    the micro-batches, planner.stage_times.stage_phases) and of the transfer CPU charged to them,
+    to set against the measured `actions.forward` and `actions.backward` of its ranks."""
+    from planner.stage_times import stage_phases, stage_times
+
+    p = plan.pipeline
+    times = stage_times(p.stages, p.boundaries, p.micro_batches)
+    out = []
+    for st, t in zip(p.stages, times):
+        f = sum(stage_phases(st.plans[b]).forward_s for b in p.micro_batches)
+        b = sum(stage_phases(st.plans[b]).backward_s for b in p.micro_batches)
+        out.append({"stage": st.index, "forward_s": f, "backward_s": b,
+                    "transfer_cpu_s": sum(t.forward_s) + sum(t.backward_s) - f - b, "sync_s": t.sync_s})
+    return out
 
 
 def transfer_ratios(plan) -> list[dict]:
