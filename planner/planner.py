@@ -53,7 +53,7 @@ from planner.recompute import fit_by_recompute
 from planner.fusions import fuse_program, unfuse_program
 from planner.step_cost import choose_buckets, predict_program, program_terms
 from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
-from planner.zero import (STATE_OBJECTIVES, solve_state_ratios, state_shards, with_states, zero3_candidates, zero_candidates,
+from planner.zero import (STATE_OBJECTIVES, solve_state_ratios, state_shards, stage_candidates, with_states,
                           zero_problem, zero_problems, zero_stages)
 
 log = logging.getLogger(__name__)
@@ -511,8 +511,7 @@ def with_zero(plan: Plan, state_ratios: Sequence[float] | None = None,
     variants = {"reduce_scatter": (scatter_variant,)} if scatter_variant else {}
     restrictions = Restrictions(two_level=plan.mesh.two_level, variants=variants)
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
-    candidates = zero3_candidates if state == TrainingState.ZERO3 else zero_candidates
-    program = with_states(plan.instructions, candidates(pb, plan.instructions), state)
+    program = with_states(plan.instructions, stage_candidates(pb, plan.instructions, state), state)
     q = tuple(_normalise(state_ratios, plan.cluster)) if state_ratios is not None else \
         solve_state_ratios(pb, program, "memory")[0]
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions, state_ratios=q)

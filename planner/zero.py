@@ -78,6 +78,20 @@ def zero3_candidates(pb: Problem, program: Sequence[Instruction]) -> list[str]:
     return [t for t in zero_candidates(pb, program) if t not in other]
 
 
+def zero2_candidates(pb: Problem, program: Sequence[Instruction]) -> list[str]:
+    """zero_candidates whose gradient the program syncs with a backward all-reduce (the
+    instruction a ZeRO-2 bucket turns into a reduce-scatter onto the rows); a gradient synced
+    otherwise (sufficient factors broadcast, SFB: whole on every rank) keeps its state whole."""
+    reduced = {i.tensor for i in program if i.kind == "all_reduce" and i.phase == "backward"}
+    return [t for t in zero_candidates(pb, program) if t in reduced]
+
+
+def stage_candidates(pb: Problem, program: Sequence[Instruction], state: TrainingState) -> list[str]:
+    """The parameters ZeRO stage `state` may shard."""
+    pick = {TrainingState.ZERO3: zero3_candidates, TrainingState.ZERO2: zero2_candidates}
+    return pick.get(state, zero_candidates)(pb, program)
+
+
 def with_states(program: Sequence[Instruction], tensors: Sequence[str],
                 state: TrainingState = TrainingState.ZERO1) -> tuple[Instruction, ...]:
     """The program with these parameters' training state set to `state`."""
@@ -237,7 +251,7 @@ def zero_problems(pb: Problem, program: Sequence[Instruction], state: TrainingSt
                   objectives: Sequence[str] = STATE_OBJECTIVES) -> list[tuple[Problem, tuple[Instruction, ...]]]:
     """zero_problem at each objective's state ratios, the same ratios once (empty without a
     candidate)."""
-    tensors = zero3_candidates(pb, program) if state == TrainingState.ZERO3 else zero_candidates(pb, program)
+    tensors = stage_candidates(pb, program, state)
     if not tensors:
         return []
     zero, out = with_states(program, tensors, state), []

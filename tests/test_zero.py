@@ -5,7 +5,8 @@ steps, uneven rows, a zero-length shard), and checkpoints hold whole optimizer s
 
 The default suite runs ZeRO-1 at every case, ZeRO-2 and ZeRO-3 each at one uneven world with
 a zero-length shard (`SUBSET`), and ZeRO-3's measured memory; `HETSYNTH_ZERO_MATRIX=1` runs
-every case at every stage and variant, and ZeRO-2's measured memory."""
+every case at every stage and variant, ViT, VGG, ResNet (BatchNorm buffers) and MoE at ZeRO-2
+and ZeRO-3 too (`ZOO_CASES`), and ZeRO-2's measured memory."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ CASES = [("gpt:tiny,dtype=float64", [0.6, 0.4], [0.3, 0.7]),
 
 
 MATRIX = bool(os.environ.get("HETSYNTH_ZERO_MATRIX"))
-ZERO2_CASES = [(*c, v) for c, v in zip(CASES, ["padded", "grouped"] * 2)]
+# the other zoo families in the matrix: a ViT, convolutions (VGG; ResNet with BatchNorm
+# buffers), experts (MoE), uneven rows with a rank without rows
+ZOO_CASES = [(f"{m}:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], [0.5, 0.0, 0.3, 0.2])
+             for m in ("vit", "vgg", "resnet", "moe")]
+ZERO2_CASES = [(*c, v) for c, v in zip(CASES + ZOO_CASES, ["padded", "grouped"] * 4)]
 SUBSET = {"zero2": [(*CASES[1], "padded")], "zero3": [CASES[2]]}  # gpt world 4 (a rank without rows); bert q 0/1
 
 
@@ -72,7 +77,7 @@ def test_zero2_matches_single_device(pools, ref: str, ratios: list[float], q: li
     check(pools, plan)
 
 
-@pytest.mark.parametrize("ref, ratios, q", stage_cases("zero3", CASES))
+@pytest.mark.parametrize("ref, ratios, q", stage_cases("zero3", CASES + ZOO_CASES))
 def test_zero3_matches_single_device(pools, ref: str, ratios: list[float], q: list[float]) -> None:
     """ZeRO-3: parameters stored as uneven rows (a rank with none), gathered at each use
     (gpt's tied embedding twice), regathered in the backward; 5 AdamW steps with clipping as
@@ -332,3 +337,17 @@ def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: P
     name, layout = next((i.tensor, i.layout) for i in split.instructions if i.kind == "param" and i.layout.is_shard)
     with pytest.raises(PlanError, match=f"parameter {name} is stored {layout} with training state zero2"):
         plan_from_json(_with_state_on(split, name, "zero2"), "split.json")
+
+
+def test_zero2_leaves_sufficient_factor_gradients_whole() -> None:
+    """VGG's fc1 gradient is synced by broadcasting its sufficient factors (SFB), whole on every
+    rank, not by the all-reduce a ZeRO-2 bucket turns into a reduce-scatter: ZeRO-2 keeps its
+    state whole and shards the rest (before, fc1 was marked ZeRO-2 with no bucket, and the
+    run drifted from one device by 1e-2 in the loss at step 2; the parity case is in the
+    HETSYNTH_ZERO_MATRIX run)."""
+    plan = with_zero(make("vgg:tiny,dtype=float64", [0.4, 0.3, 0.2, 0.1], DP_SEED), [0.5, 0.0, 0.3, 0.2],
+                     TrainingState.ZERO2, "grouped")
+    sfb = {i.tensor for i in plan.instructions if i.kind == "sfb"}
+    zero2 = set(zero_params(plan, TrainingState.ZERO2))
+    assert sfb and zero2 and not sfb & zero2
+    assert zero2 == {p for b in plan.buckets() if b.kind == "reduce_scatter" for p in b.params}
