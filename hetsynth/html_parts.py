@@ -21,3 +21,8 @@ def table(header: list[str], rows: list[list[Any]], cls: str = "") -> str:
     head = "".join(f"<th>{escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f'<table class="{cls}"><tr>{head}</tr>{body}</table>'
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with three decimals ("–" when unknown)."""
+    return "–" if seconds is None else f"{seconds * 1e3:.3f} ms"

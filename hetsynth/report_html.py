@@ -29,15 +29,12 @@ from typing import Any
 from hetsynth.report import cluster_summary, instruction_mix, si
 from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, PHASES, WAIT, predicted_trace
 from hetsynth.html_parts import LABEL, ROW, STYLE, WIDTH, table
+from hetsynth.html_parts import ms as _ms
 from hetsynth.report_pipeline import pipeline_section
 from instruction_set.plan import Plan, PlanShape
 
 COLOURS = {COMPUTE: "#3b7dd8", COMMUNICATION: "#e8862a", WAIT: "#cfcfcf", GRADIENT_SYNC: "#2a9d6f"}
 MAX_ROWS = 16  # devices drawn in a timeline
-
-
-def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
 
 def cluster_section(plan: Plan) -> str:

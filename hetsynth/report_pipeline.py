@@ -15,15 +15,14 @@ from html import escape
 from typing import Any
 
 from hetsynth.html_parts import LABEL, ROW, WIDTH, table
+from hetsynth.html_parts import ms as _ms
 from hetsynth.trace import COMMUNICATION, COMPUTE, LANES, complete, trace_document
 from instruction_set.pipeline import Pipeline, PipelineStage, PredictedEvent
 from instruction_set.plan import Plan
 
 COLOURS = {"F": "#3b7dd8", "B": "#1f4e99", "SYNC": "#2a9d6f", "XFER_F": "#e8862a", "XFER_B": "#b8621a"}
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
+WORDS = {"F": "forward", "B": "backward", "SYNC": "gradient sync", "XFER_F": "send activation",
+         "XFER_B": "send gradient"}
 
 
 def _modules(plan: Plan, stage: PipelineStage) -> str:
@@ -67,6 +66,11 @@ def _rect(x0: float, y: int, width: float, colour: str, title: str, label: str) 
             f'stroke="#fff" stroke-width="0.3"><title>{escape(title)}</title></rect>{text}')
 
 
+def _event_name(e: PredictedEvent) -> str:
+    return WORDS[e.kind] + ("" if e.micro_batch < 0 else f" mb {e.micro_batch}") + (
+        "" if e.boundary is None else f" (boundary {e.boundary})")
+
+
 def timeline_svg(pipeline: Pipeline) -> str:
     """Per stage a row of its F(m), B(m) and gradient sync, and a row of its sends."""
     events, n = pipeline.predicted.timeline, len(pipeline.stages)
@@ -78,12 +82,8 @@ def timeline_svg(pipeline: Pipeline) -> str:
                      f'<text x="0" y="{(2 * s + 1) * ROW + 13}">stage {s} sends</text>')
     for e in events:
         y = (2 * e.stage + (1 if e.kind.startswith("XFER") else 0)) * ROW
-        what = {"F": "forward", "B": "backward", "SYNC": "gradient sync", "XFER_F": "activation",
-                "XFER_B": "gradient"}[e.kind]
-        where = f" boundary {e.boundary}" if e.boundary is not None else ""
-        mb = "" if e.micro_batch < 0 else f" micro-batch {e.micro_batch}"
         parts.append(_rect(LABEL + e.start_s * scale, y, (e.end_s - e.start_s) * scale, COLOURS[e.kind],
-                           f"stage {e.stage} {what}{mb}{where}: {_ms(e.end_s - e.start_s)}",
+                           f"stage {e.stage} {_event_name(e)}: {_ms(e.end_s - e.start_s)}",
                            "" if e.micro_batch < 0 else str(e.micro_batch)))
     axis = "".join(f'<text x="{LABEL + f * (WIDTH - LABEL - 10):.0f}" y="{2 * n * ROW + 14}">{span * f * 1e3:.1f} ms</text>'
                    for f in (0, 0.25, 0.5, 0.75))
@@ -110,13 +110,6 @@ def pipeline_section(plan: Plan) -> str:
                     _boundary_rows(pipeline))
             + f"<h3>Predicted timeline ({escape(pipeline.schedule.value)})</h3><p class=note>{legend} — "
               f"numbers are micro-batches; hover a slice for its time</p>" + drawn)
-
-
-def _event_name(e: PredictedEvent) -> str:
-    what = {"F": "forward", "B": "backward", "SYNC": "gradient sync", "XFER_F": "send activation",
-            "XFER_B": "send gradient"}[e.kind]
-    return what + ("" if e.micro_batch < 0 else f" mb {e.micro_batch}") + (
-        "" if e.boundary is None else f" (boundary {e.boundary})")
 
 
 def pipeline_trace(plan: Plan) -> dict[str, Any]:
