@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from instruction_set.graph import ReferenceGraph
 from instruction_set.models import ModelSpec
 from instruction_set.plan import Plan
 from runtime.codegen import local_slice
@@ -193,22 +194,29 @@ def load_checkpoint(trainer: Trainer, path: str | Path, steps: int | None = None
         state = ckpt["optimizer"]["state"].get(p.fqn, {})
         zero = p.fqn in _zero_fqns(plan)
         held = trainer.zero.leaf_of(param) if trainer.zero is not None else param
-        trainer.optimizer.state[held] = {  # copies: the file is memory-mapped
-            k: ((_rows(plan, p.name, rank, v) if zero else local_slice(plan, p.name, p.layout, rank, v))
-                .to(param.device, param.dtype, copy=True)
-                if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
-            for k, v in state.items()}
-    _load_buffers(trainer, ckpt["model"], str(path))
+        take = ((lambda v, n=p.name: _rows(plan, n, rank, v)) if zero
+                else (lambda v, n=p.name, layout=p.layout: local_slice(plan, n, layout, rank, v)))
+        trainer.optimizer.state[held] = state_slices(state, take, param)
+    load_buffers(module, plan.graph, ckpt["model"], str(path))
+    trainer.buffers.update({k: v for k, v in ckpt["model"].items() if k in trainer.buffers})
     return step
 
 
-def _load_buffers(trainer: Trainer, state: dict[str, torch.Tensor], path: str) -> None:
-    module = trainer.program.module
-    for node in trainer.plan.graph.nodes:
+def state_slices(state: dict[str, Any], take: Callable[[torch.Tensor], torch.Tensor],
+                 like: torch.Tensor) -> dict[str, Any]:
+    """A parameter's optimizer state for this rank: `take` (its slice) of every tensor of one
+    or more dims, copied to `like`'s device and dtype (the file is memory-mapped); scalars
+    cloned."""
+    return {k: (take(v).to(like.device, like.dtype, copy=True) if torch.is_tensor(v) and v.dim() > 0
+                else v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+def load_buffers(module: torch.nn.Module, graph: ReferenceGraph, state: dict[str, torch.Tensor], path: str) -> None:
+    """The buffers `graph` reads that `module` stores, from a checkpoint's model state."""
+    for node in graph.nodes:
         if node.op != "buffer" or node.value is not None or not hasattr(module, node.name):
             continue  # constants are not the model's state; an unread buffer is not stored
         if node.fqn not in state:
             raise CheckpointError(f"{path} has no buffer {node.fqn!r}")
         with torch.no_grad():
             getattr(module, node.name).copy_(state[node.fqn])
-    trainer.buffers.update({k: v for k, v in state.items() if k in trainer.buffers})

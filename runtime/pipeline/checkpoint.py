@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint import FORMAT, CheckpointError, check_resume, model_state_dict, optimizer_settings, read_checkpoint
+from runtime.checkpoint import (FORMAT, check_resume, load_buffers, model_state_dict, optimizer_settings,
+                                read_checkpoint, state_slices)
 from runtime.codegen import local_slice
 from runtime.pipeline.trainer import PipelineTrainer, assemble, local_buffers, local_parameters
 
@@ -90,16 +91,8 @@ def load_pipeline_checkpoint(t: PipelineTrainer, path: str | Path, steps: int | 
         param = getattr(module, p.name)
         with torch.no_grad():
             param.copy_(local_slice(plan, p.name, p.layout, rank, ckpt["model"][p.fqn], mesh))
-        state = ckpt["optimizer"]["state"].get(p.fqn, {})
-        t.optimizer.state[param] = {  # copies: the file is memory-mapped
-            k: (local_slice(plan, p.name, p.layout, rank, v, mesh).to(param.device, param.dtype, copy=True)
-                if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
-            for k, v in state.items()}
-    for node in plan.graph.nodes:
-        if node.op == "buffer" and node.value is None and hasattr(module, node.name):
-            if node.fqn not in ckpt["model"]:
-                raise CheckpointError(f"--resume {str(path)!r} has no buffer {node.fqn!r}")
-            with torch.no_grad():
-                getattr(module, node.name).copy_(ckpt["model"][node.fqn])
+        take = lambda v, n=p.name, layout=p.layout: local_slice(plan, n, layout, rank, v, mesh)
+        t.optimizer.state[param] = state_slices(ckpt["optimizer"]["state"].get(p.fqn, {}), take, param)
+    load_buffers(module, plan.graph, ckpt["model"], str(path))
     t.state.update({k: ckpt["model"][k].clone() for k in t.state if k in ckpt["model"]})
     return step
