@@ -20,7 +20,7 @@ import logging
 from typing import Sequence
 
 from cost_models.flows import NicModel
-from cost_models.schedule import simulate_schedule
+from cost_models.schedule import Timeline, simulate_schedule
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import P, R, Layout
@@ -128,31 +128,31 @@ def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], c
                          outputs=boundary_outputs(full, *calls) if calls[1] < len(full.calls) else (), plans=plans)
 
 
-def predict(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
-            schedule: Schedule, cluster: ClusterSpec) -> tuple[float, float]:
-    """Predicted step time and the busiest stage's idle time under `schedule` (`prediction`)."""
-    found = prediction(stages, boundaries, sizes, schedule, cluster)
-    return found.step_time_s, found.bubble_s
-
-
 def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
                schedule: Schedule, cluster: ClusterSpec,
                others: dict[str, float] | None = None) -> PipelinePrediction:
     """The step time, the busiest stage's idle time and the timeline under `schedule`: the simulation
     (cost_models.schedule) of the stages' per-micro-batch phases and the boundary transfers on
-    their NICs (planner.stage_times)."""
+    their NICs (planner.stage_times). `others`: the other schedules' step times when known, else
+    simulated here from the same stage times (they do not depend on the schedule)."""
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     hosts = cluster.rank_nodes()
     transfers = {(i, d): tuple(bd.reshard[b].predicted_s for b in sizes) for i, bd in enumerate(boundaries) for d in "FB"}
     nics = {(i, d): stage_times.nics(bd, max(sizes), hosts, d) for i, bd in enumerate(boundaries) for d in "FB"}
-    timeline = simulate_schedule(build_actions(schedule, len(sizes), links, len(stages)),
-                                 stage_times.stage_times(stages, boundaries, sizes), links, transfers,
-                                 global_s=stage_times.global_s(cluster), shared_s=stage_times.shared_s(stages, cluster),
-                                 resources=nics)
+    times = stage_times.stage_times(stages, boundaries, sizes)
+    ends = {"global_s": stage_times.global_s(cluster), "shared_s": stage_times.shared_s(stages, cluster)}
+
+    def simulate(s: Schedule) -> Timeline:
+        return simulate_schedule(build_actions(s, len(sizes), links, len(stages)), times, links, transfers,
+                                 resources=nics, **ends)
+
+    timeline = simulate(schedule)
+    if others is None:
+        others = {str(s): simulate(s).step_time_s for s in Schedule if s is not schedule}
     busiest = max(range(len(stages)), key=timeline.busy_s)
     events = tuple(PredictedEvent(stage=e.stage, kind=e.kind, micro_batch=e.micro_batch, start_s=e.start_s,
                                   end_s=e.end_s, boundary=e.boundary) for e in timeline.events)
-    merged = (others or {}) | {str(schedule): timeline.step_time_s}
+    merged = others | {str(schedule): timeline.step_time_s}
     return PipelinePrediction(step_time_s=timeline.step_time_s, bubble_s=timeline.step_time_s - timeline.busy_s(busiest),
                               schedules={str(s): merged[str(s)] for s in Schedule if str(s) in merged}, timeline=events)
 
@@ -180,10 +180,9 @@ def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     actions = build_actions(schedule, len(sizes), links, len(built))
     check_actions(actions, links, len(sizes))
-    others = {str(s): predict(built, boundaries, sizes, s, cluster)[0] for s in Schedule if s is not schedule}
     pipeline = Pipeline(stages=tuple(built), boundaries=boundaries, micro_batches=tuple(sizes), schedule=schedule,
                         actions=actions, statistics=found.statistics, coupled=coupled,
-                        predicted=prediction(built, boundaries, sizes, schedule, cluster, others))
+                        predicted=prediction(built, boundaries, sizes, schedule, cluster))
     return spmd.model_copy(update={"shape": PlanShape.PIPELINE, "pipeline": pipeline})
 
 

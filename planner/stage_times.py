@@ -144,12 +144,11 @@ def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
     fwd = [[phases[s][b].forward_s for b in sizes] for s in range(len(stages))]
     bwd = [[phases[s][b].backward_s for b in sizes] for s in range(len(stages))]
     for bd in boundaries:
-        for m, b in enumerate(sizes):
-            t = bd.reshard[b].predicted_s
-            for s in (bd.src_stage, bd.dst_stage):  # each end pays it forward and backward
-                cpu = transfer_cpu_s(stages[s], bd, b, t)
-                fwd[s][m] += cpu
-                bwd[s][m] += cpu
+        for s in (bd.src_stage, bd.dst_stage):  # each end pays it forward and backward
+            cpu = {b: transfer_cpu_s(stages[s], bd, b, bd.reshard[b].predicted_s) for b in set(sizes)}
+            for m, b in enumerate(sizes):
+                fwd[s][m] += cpu[b]
+                bwd[s][m] += cpu[b]
     big = max(sizes)
     return [StageTimes(tuple(fwd[s]), tuple(bwd[s]), sync_s=phases[s][big].sync_s, update_s=phases[s][big].update_s)
             for s in range(len(stages))]
