@@ -10,6 +10,11 @@ kinds and links):
   across  two nodes of one cpu-fast worker each, 200 Mbit/s shaped link
 The exposed communication fraction of a variant is (variant - matmul) / (unfused - matmul).
 `--pilot` runs a few cases per environment and only prints.
+
+End to end (`--e2e-only`, `--e2e-model`, `--e2e-env`, `--e2e-rounds`): the planner's own plan of
+the model on the environment (E2E_MODEL on `across`: sequence-parallel tensor parallelism with
+its pairs fused) trained interleaved with the same plan without fusion; the fused plan's traced
+steps give the per-instruction comparison (bench/results/overlap_e2e_instructions.json).
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 BASE = RESULTS / "local-emulated-measured.toml"
 FUSED = ("ag_matmul", "matmul_rs")
-# GPT small-cpu with GPT-2-medium-like widths (hidden 512, FFN 2048) on 8 sequences of 64
-# tokens: weights big against the batch, so that on `across` the planner's own plan is
-# tensor parallel (sequence-parallel, Megatron pairs) and fuses its pairs
+# GPT small-cpu widened (hidden 512, FFN 2048) on 8 sequences of 64 tokens: weights big against
+# the batch, so that on `across` the planner's own plan is tensor parallel (sequence-parallel,
+# Megatron pairs) and fuses its pairs
 E2E_MODEL = "gpt:small-cpu,hidden=512,ffn_hidden=2048,batch_size=8,seq_len=64"
 TOKENS = 2048
 
@@ -192,8 +197,7 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     """The planner's own plan when it fuses (else, a plan with forced tensor-parallel layouts in
     which the cost model chooses fusion per pair) against the same plan without fusion
     (planner.without_fusion), trained interleaved (runtime.compare): measured median step
-    times beside the predictions. The unfused twin's steps are also traced (the per-instruction
-    comparison lays out bulk-synchronous instructions only)."""
+    times beside the predictions; the fused plan's steps are also traced (per_instruction)."""
     import hetsynth
     from instruction_set.cluster import load_cluster
     from planner.planner import make_plan, without_fusion
@@ -223,9 +227,9 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     raw.chmod(0o777)  # ranks of an emulated cluster may run as another user
     launch_checked(spec, ["-m", "runtime.compare", "--plans", str(paths["fused"]), str(paths["unfused"]),
                           "--names", "fused", "unfused", "--warmup", "2", "--rounds", str(rounds), "--steps", "2",
-                          "--traced", "unfused", "--trace-raw", str(raw), "--report", str(report)],
+                          "--traced", "fused", "--trace-raw", str(raw), "--report", str(report)],
                    "end-to-end measurement")
-    per_instruction(plain, raw, workdir)
+    per_instruction(fused, raw, workdir)
     times = json.loads(report.read_text())
     for name in ("fused", "unfused"):
         print(name, "step seconds", [round(x, 3) for x in times[name]["step_seconds"]],
