@@ -193,7 +193,8 @@ def tensor_parallel_force(graph) -> dict[str, str]:
     return force | {n.name: "S0" for n in graph.calls if n.target == "aten.add.Tensor" and "blocks" in n.module_path}
 
 
-def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[dict, list]:
+def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
+               keep_trace: Path | None = None) -> tuple[dict, list]:
     """The planner's own plan when it fuses (else, a plan with forced tensor-parallel layouts in
     which the cost model chooses fusion per pair) against the same plan without fusion
     (planner.without_fusion), trained interleaved (runtime.compare): measured median step
@@ -229,7 +230,7 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
                           "--names", "fused", "unfused", "--warmup", "2", "--rounds", str(rounds), "--steps", "2",
                           "--traced", "fused", "--trace-raw", str(raw), "--report", str(report)],
                    "end-to-end measurement")
-    per_instruction(fused, raw, workdir)
+    per_instruction(fused, raw, keep_trace or workdir / "trace.json")
     times = json.loads(report.read_text())
     for name in ("fused", "unfused"):
         print(name, "step seconds", [round(x, 3) for x in times[name]["step_seconds"]],
@@ -249,14 +250,14 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     return result, row
 
 
-def per_instruction(plan, raw: Path, workdir: Path) -> None:
+def per_instruction(plan, raw: Path, trace: Path) -> None:
     """The fused plan's traced steps (runtime.compare --traced, interleaved with the timed ones):
     predicted against measured seconds per instruction (hetsynth.measured, as `hetsynth run
     --trace` writes them), kept in bench/results/overlap_e2e_instructions.json; prints the
     step's totals by kind and the instructions that differ most."""
     from hetsynth.measured import write_measured
 
-    result = write_measured(plan, raw, workdir / "trace.json")
+    result = write_measured(plan, raw, trace)
     write_json("overlap_e2e_instructions.json", result)
     by_kind: dict[str, list[float]] = {}
     for row in result["instructions"]:
@@ -286,10 +287,12 @@ def main() -> None:
     parser.add_argument("--e2e-model", default=E2E_MODEL)
     parser.add_argument("--e2e-rounds", type=int, default=3)
     parser.add_argument("--e2e-env", default="across", choices=["inside", "across"])
+    parser.add_argument("--e2e-trace", type=Path, help="keep the fused plan's measured trace (Chrome trace JSON) "
+                        "there, its comparison beside it")
     args = parser.parse_args()
     if args.e2e_only:
         with tempfile.TemporaryDirectory() as tmp:
-            result, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds)
+            result, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace)
         print_table([row], E2E_HEADER)
         old = json.loads((RESULTS / "overlap.json").read_text())
         write_json("overlap.json", {"cases": old["cases"], "end_to_end": result})
@@ -320,7 +323,7 @@ def main() -> None:
     write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
     if not args.no_e2e:
         with tempfile.TemporaryDirectory() as tmp:
-            e2e, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds)
+            e2e, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace)
         print_table([row], E2E_HEADER)
         write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
 
