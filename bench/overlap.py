@@ -10,12 +10,18 @@ kinds and links):
   across  two nodes of one cpu-fast worker each, 200 Mbit/s shaped link
 The exposed communication fraction of a variant is (variant - matmul) / (unfused - matmul).
 `--pilot` runs a few cases per environment and only prints.
+
+End to end (`--e2e-only`, `--e2e-model`, `--e2e-env`, `--e2e-rounds`): the planner's own plan of
+the model on the environment (E2E_MODEL on `across`: sequence-parallel tensor parallelism with
+its pairs fused) trained interleaved with the same plan without fusion; the fused plan's traced
+steps give the per-instruction comparison (bench/results/overlap_e2e_instructions.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +31,11 @@ from common import RESULTS, ROOT, markdown_table, print_table, write_json
 sys.path.insert(0, str(ROOT))
 
 BASE = RESULTS / "local-emulated-measured.toml"
+FUSED = ("ag_matmul", "matmul_rs")
+# GPT small-cpu widened (hidden 512, FFN 2048) on 8 sequences of 64 tokens: weights big against
+# the batch, so that on `across` the planner's own plan is tensor parallel (sequence-parallel,
+# Megatron pairs) and fuses its pairs
+E2E_MODEL = "gpt:small-cpu,hidden=512,ffn_hidden=2048,batch_size=8,seq_len=64"
 TOKENS = 2048
 
 
@@ -182,11 +193,12 @@ def tensor_parallel_force(graph) -> dict[str, str]:
     return force | {n.name: "S0" for n in graph.calls if n.target == "aten.add.Tensor" and "blocks" in n.module_path}
 
 
-def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[dict, list]:
-    """The planner's own plan (does it fuse?), and a plan with forced tensor-parallel layouts in
-    which the cost model chooses fusion per pair, against the same plan without it
-    (planner.without_fusion), trained interleaved (runtime.compare): measured median step times
-    beside the predictions."""
+def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
+               keep_trace: Path | None = None) -> tuple[dict, list]:
+    """The planner's own plan when it fuses (else, a plan with forced tensor-parallel layouts in
+    which the cost model chooses fusion per pair) against the same plan without fusion
+    (planner.without_fusion), trained interleaved (runtime.compare): measured median step
+    times beside the predictions; the fused plan's steps are also traced (per_instruction)."""
     import hetsynth
     from instruction_set.cluster import load_cluster
     from planner.planner import make_plan, without_fusion
@@ -197,10 +209,14 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     spec = load_cluster(spec_path)
     graph = hetsynth.capture_measured(model_ref, cluster=spec)  # ops timed on the emulated devices
     own = make_plan(graph, spec, progress=False, with_baselines=False)
-    own_fused = sum(i.kind in ("ag_matmul", "matmul_rs") for i in own.instructions)
-    fused = make_plan(graph, spec, progress=False, with_baselines=False,
-                      restrictions=Restrictions(force=tensor_parallel_force(graph), two_level=False))
-    if not any(i.kind in ("ag_matmul", "matmul_rs") for i in fused.instructions):
+    own_fused = sum(i.kind in FUSED for i in own.instructions)
+    if own_fused:
+        fused, how = own, "the planner's own plan"
+    else:
+        fused, how = make_plan(graph, spec, progress=False, with_baselines=False,
+                               restrictions=Restrictions(force=tensor_parallel_force(graph), two_level=False)), \
+            "TP layouts forced, fusion by the cost model"
+    if not any(i.kind in FUSED for i in fused.instructions):
         raise SystemExit(f"the cost model fuses nothing in the tensor-parallel plan of {model_ref} on {env}")
     plain = without_fusion(fused)
     paths = {}
@@ -214,15 +230,19 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
                           "--names", "fused", "unfused", "--warmup", "2", "--rounds", str(rounds), "--steps", "2",
                           "--traced", "fused", "--trace-raw", str(raw), "--report", str(report)],
                    "end-to-end measurement")
-    per_instruction(fused, raw, workdir)
+    per_instruction(fused, raw, keep_trace or workdir / "trace.json")
     times = json.loads(report.read_text())
     for name in ("fused", "unfused"):
         print(name, "step seconds", [round(x, 3) for x in times[name]["step_seconds"]],
               "phases by rank", times[name]["phases_by_rank"])
+    ratio = [f / u for f, u in zip(times["fused"]["step_seconds"], times["unfused"]["step_seconds"])]
     result = {"fused_s": times["fused"]["median_s"], "unfused_s": times["unfused"]["median_s"],
-              "predicted_s": fused.predicted.step_time_s}
-    kinds = sorted({i.describe() for i in fused.instructions if i.kind in ("ag_matmul", "matmul_rs")})[:2]
-    row = [f"{model_ref} on {env}, TP layouts forced, fusion by the cost model",
+              "predicted_s": fused.predicted.step_time_s, "predicted_unfused_s": plain.predicted.step_time_s,
+              "model": model_ref, "env": env, "plan": how, "fused_instructions": sum(i.kind in FUSED for i in fused.instructions),
+              "fused_over_unfused_median": statistics.median(ratio), "steps": len(ratio),
+              "device_scales": dict(graph.device_scales or {})}
+    kinds = sorted({i.describe() for i in fused.instructions if i.kind in FUSED})[:2]
+    row = [f"{model_ref} on {env}, {how}",
            f"{result['fused_s']:.3f}", f"{result['unfused_s']:.3f}",
            f"{result['predicted_s']:.3f}", f"{plain.predicted.step_time_s:.3f}",
            f"planner's own plan on this spec: {own_fused} fused instruction(s)"]
@@ -230,14 +250,14 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int) -> tuple[di
     return result, row
 
 
-def per_instruction(plan, raw: Path, workdir: Path) -> None:
+def per_instruction(plan, raw: Path, trace: Path) -> None:
     """The fused plan's traced steps (runtime.compare --traced, interleaved with the timed ones):
     predicted against measured seconds per instruction (hetsynth.measured, as `hetsynth run
     --trace` writes them), kept in bench/results/overlap_e2e_instructions.json; prints the
     step's totals by kind and the instructions that differ most."""
     from hetsynth.measured import write_measured
 
-    result = write_measured(plan, raw, workdir / "trace.json")
+    result = write_measured(plan, raw, trace)
     write_json("overlap_e2e_instructions.json", result)
     by_kind: dict[str, list[float]] = {}
     for row in result["instructions"]:
@@ -264,12 +284,15 @@ def main() -> None:
                         "matmul intervals) and write the raw records there; prints only, like --pilot")
     parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end case (keeps the cases)")
     parser.add_argument("--no-e2e", action="store_true", help="the cases only (keeps the last end-to-end result)")
-    parser.add_argument("--e2e-model", default="gpt:small-cpu")
+    parser.add_argument("--e2e-model", default=E2E_MODEL)
     parser.add_argument("--e2e-rounds", type=int, default=3)
+    parser.add_argument("--e2e-env", default="across", choices=["inside", "across"])
+    parser.add_argument("--e2e-trace", type=Path, help="keep the fused plan's measured trace (Chrome trace JSON) "
+                        "there, its comparison beside it")
     args = parser.parse_args()
     if args.e2e_only:
         with tempfile.TemporaryDirectory() as tmp:
-            result, row = end_to_end("across", args.e2e_model, Path(tmp), args.e2e_rounds)
+            result, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace)
         print_table([row], E2E_HEADER)
         old = json.loads((RESULTS / "overlap.json").read_text())
         write_json("overlap.json", {"cases": old["cases"], "end_to_end": result})
@@ -300,7 +323,7 @@ def main() -> None:
     write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
     if not args.no_e2e:
         with tempfile.TemporaryDirectory() as tmp:
-            e2e, row = end_to_end("across", args.e2e_model, Path(tmp), args.e2e_rounds)
+            e2e, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace)
         print_table([row], E2E_HEADER)
         write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
 

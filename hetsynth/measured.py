@@ -124,17 +124,22 @@ def comparison(plan: Plan, trace: dict[str, Any]) -> dict[str, Any]:
     n = plan.cluster.num_devices
     measured, phases = instruction_seconds(trace, n)
     step = predicted_step(plan)
-    rows, bulk = [], {"gradient sync": [step.sync_wait[1], ["gradient_sync"]],
-                      "update and step all-reduces": [0.0, ["update", "loss"]]}
+    rows: dict[int, dict[str, Any]] = {}
+    bulk = {"gradient sync": [step.sync_wait[1], ["gradient_sync"]], "update and step all-reduces": [0.0, ["update", "loss"]]}
     for t in step.instructions:
         ins = plan.instructions[t.index] if t.index is not None else None
         if ins is None or ins.kind == "param":
             bulk["update and step all-reduces"][0] += t.step_s
+        elif t.index in rows:  # a fused instruction's pieces (hetsynth.trace._fused_times): one row, added up
+            row = rows[t.index]
+            row["predicted_s"] += t.step_s
+            row["predicted_s_by_rank"] = [a + b for a, b in zip(row["predicted_s_by_rank"], t.per_device)]
         else:
             by_rank = measured.get(t.index, [0.0] * n)
-            rows.append({"instruction": t.index, "name": t.name, "kind": ins.kind, "lane": "compute" if t.lane == COMPUTE
-                         else "communication", "predicted_s": t.step_s, "predicted_s_by_rank": list(t.per_device),
-                         "measured_s": max(by_rank), "measured_s_by_rank": by_rank})
+            rows[t.index] = {"instruction": t.index, "name": instruction_name(plan, t.index), "kind": ins.kind,
+                             "lane": "compute" if lane_of(ins) == COMPUTE else "communication",
+                             "predicted_s": t.step_s, "predicted_s_by_rank": list(t.per_device),
+                             "measured_s": max(by_rank), "measured_s_by_rank": by_rank}
     groups = [{"name": name, "predicted_s": pred, "phases": names,
                "measured_s": max(sum(phases.get(p, [0.0] * n)[r] for p in names) for r in range(n))}
               for name, (pred, names) in bulk.items()]
@@ -144,7 +149,7 @@ def comparison(plan: Plan, trace: dict[str, Any]) -> dict[str, Any]:
             "step": {"predicted_s": plan.predicted.step_time_s,
                      "measured_s": statistics.median(max(s) for s in step_by_rank) if step_by_rank else None,
                      "data_s": max(phases.get("data", [0.0])), "note": "data loading is not predicted"},
-            "bulk": groups, "instructions": rows}
+            "bulk": groups, "instructions": [rows[i] for i in sorted(rows)]}
 
 
 def companion_path(trace_path: str | Path) -> Path:

@@ -38,9 +38,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cost_models.terms import Cost, Form, seconds
+from cost_models.terms import Cost, Form, Series, busy, exposed, seconds
+from instruction_set.kinds import Category
 from instruction_set.plan import Plan, PlanError
-from instruction_set.program import Instruction
+from instruction_set.program import FUSED_MATMULS, Instruction
 from instruction_set.training_state import TrainingState
 
 COMPUTE, COMMUNICATION, WAIT, PHASES, GRADIENT_SYNC = 1, 2, 3, 4, 5
@@ -157,20 +158,30 @@ def predicted_step(plan: Plan) -> PredictedStep:
 
     pb = plan_problem(plan)
     expand, x_layouts, times = pb.devices.expand, first_input_layouts(plan.instructions), {}
+    fused: dict[int, tuple[list[InstructionTimes], list[InstructionTimes]]] = {}
     for index, ins in enumerate(plan.instructions):
         term = None if is_bucketed(ins) else instruction_term(pb, ins, x_layouts)
-        if term is not None:
+        if term is not None and ins.kind in FUSED_MATMULS:
+            args = instruction_args(plan, index, pb.meta(ins.tensor).nbytes)
+            fused[index] = _fused_times(term.time, plan, index, pb, args)
+        elif term is not None:
             per_class = _per_class_seconds(term.time, plan, index)
             times[index] = InstructionTimes(index, instruction_name(plan, index), lane_of(ins), expand(per_class),
                                             max(per_class), instruction_args(plan, index, pb.meta(ins.tensor).nbytes))
     share = {i: forward_share(pb, plan.instructions[i]) for i in times}
     gathers = _zero3_times(plan, pb)  # ZeRO-3: index of the param -> (its forward gathers, its backward)
-    steps = [i for i in range(len(plan.instructions)) if i in gathers or (i in times and plan.instructions[i].kind != "param")]
-    placed, t = _place([(gathers[i][0], 1.0) if i in gathers else (times[i], share[i]) for i in steps], 0.0)
+    steps = [i for i in range(len(plan.instructions))
+             if i in gathers or i in fused or (i in times and plan.instructions[i].kind != "param")]
+    placed, t = _place([x for i in steps for x in ([(gathers[i][0], 1.0)] if i in gathers else
+                                                   [(f, 1.0) for f in fused[i][0]] if i in fused else
+                                                   [(times[i], share[i])])], 0.0)
     done: dict[int, float] = {}
     for i in range(len(plan.instructions) - 1, -1, -1):
         if i in gathers:
             more, t = _place([(gathers[i][1], 1.0)], t)
+            placed += more
+        elif i in fused:
+            more, t = _place([(f, 1.0) for f in fused[i][1]], t)
             placed += more
         elif i in share and plan.instructions[i].kind != "param":
             more, t = _place([(times[i], backward_share(pb, plan.instructions[i]))], t)
@@ -184,7 +195,7 @@ def predicted_step(plan: Plan) -> PredictedStep:
     scalars = [_scalar_times(term, plan.cluster.num_devices)
                for term in state_gather_terms(pb, plan.instructions) + scalar_terms(pb, plan.instructions)]
     tail, t = _place([(s, 1.0) for s in scalars], t)
-    extra = [x for pair in gathers.values() for x in pair]
+    extra = [x for pair in gathers.values() for x in pair] + [x for i in sorted(fused) for half in fused[i] for x in half]
     step = PredictedStep(list(times.values()) + extra + scalars, placed + updates + tail, buckets, sync_wait, t)
     _check_totals(plan, step)
     return step
@@ -254,6 +265,32 @@ def _transfer_cpu_times(plan: Plan, pb: Any) -> list[InstructionTimes]:
 def _scalar_times(term: Any, n: int) -> InstructionTimes:
     s = seconds(term.time)
     return InstructionTimes(None, STEP_SCALARS, COMMUNICATION, (s,) * n, s, {"predicted_s": s})
+
+
+def _fused_times(cost: Cost, plan: Plan, index: int, pb: Any,
+                 args: dict[str, Any]) -> tuple[list[InstructionTimes], list[InstructionTimes]]:
+    """A fused instruction's (forward, backward) pieces (planner.fusions: Series(forward,
+    backward), each an Overlap of its matmuls' compute and its ring, or a Series of such and
+    compute forms): per Overlap, its compute on the compute lane (each device's busy seconds)
+    and its exposed communication on the communication lane, max_e T_e - max_e busy_e; so the
+    lanes sum to what the plan's prediction counts (cost_models.terms.busy and exposed)."""
+    if not isinstance(cost, Series) or len(cost.parts) != 2:
+        raise ValueError(f"instruction {index} ({instruction_name(plan, index)}): a fused instruction's cost is "
+                         f"Series(forward, backward), not {type(cost).__name__}")
+    name, n = instruction_name(plan, index), pb.width
+    halves: list[list[InstructionTimes]] = []
+    for half, part in zip(("forward", "backward"), cost.parts):
+        pieces = []
+        for piece in (part.parts if isinstance(part, Series) else (part,)):
+            work = busy(piece, Category.COMPUTE, n)
+            pieces.append(InstructionTimes(index, f"{name} ({half}: matmuls)", COMPUTE, pb.devices.expand(work),
+                                           max(work), args | {"pass": half}))
+            hidden = exposed(piece, Category.COMMUNICATION)
+            if hidden > 0.0:
+                pieces.append(InstructionTimes(index, f"{name} ({half}: exposed transfer)", COMMUNICATION,
+                                               (hidden,) * plan.cluster.num_devices, hidden, args | {"pass": half}))
+        halves.append(pieces)
+    return halves[0], halves[1]
 
 
 def _per_class_seconds(cost: Cost, plan: Plan, index: int) -> list[float]:

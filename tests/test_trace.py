@@ -44,7 +44,18 @@ def _plan(ref: str, cluster: Path, ratios: list[float] | None, devices: int) -> 
 def plans() -> dict[str, Plan]:
     return {"gpt uneven": _plan("gpt:tiny", EMULATED, [0.4, 0.3, 0.2, 0.1], 4),
             "vit searched": _plan("vit:tiny", A100_T4, None, 8),
-            "gpt transfer cpu": _plan("gpt:tiny", MEASURED, [0.4, 0.3, 0.2, 0.1], 4)}
+            "gpt transfer cpu": _plan("gpt:tiny", MEASURED, [0.4, 0.3, 0.2, 0.1], 4),
+            "gpt fused": _fused_plan()}
+
+
+def _fused_plan() -> Plan:
+    """Sequence-parallel tensor-parallel MLPs on 2 uneven ranks, every pair fused
+    (tests/test_fused_parity.py's forced plan of gpt)."""
+    from test_fused_parity import fused_plan
+
+    plan = fused_plan("gpt", [0.55, 0.45])
+    assert any(i.kind in ("ag_matmul", "matmul_rs") for i in plan.instructions)
+    return plan
 
 
 def _lane_totals(trace: dict, tid: int, n: int) -> list[float]:
@@ -55,7 +66,7 @@ def _lane_totals(trace: dict, tid: int, n: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt uneven", "vit searched", "gpt transfer cpu"])
+@pytest.mark.parametrize("name", ["gpt uneven", "vit searched", "gpt transfer cpu", "gpt fused"])
 def test_predicted_trace_matches_the_plan(plans: dict[str, Plan], name: str) -> None:
     plan = plans[name]
     trace = json.loads(json.dumps(predicted_trace(plan)))
@@ -201,3 +212,26 @@ def test_cli_trace_and_report(plans: dict[str, Plan], traced, tmp_path: Path, ca
     assert main(["report", str(tmp_path / "plan.json"), "--measured", str(tmp_path / "m.json"),
                  "-o", str(tmp_path / "x.html")]) == 2
     assert "a trace of another plan" in capsys.readouterr().err and not (tmp_path / "x.html").exists()
+
+
+def test_fused_instructions_in_the_trace_and_the_comparison(plans: dict[str, Plan], pools) -> None:
+    """A fused instruction is laid out as its matmuls (compute lane) and its exposed transfer
+    (communication lane), forward and backward; a traced run of the plan compares it in one
+    row: the sum of its pieces against its measured forward and backward."""
+    plan = plans["gpt fused"]
+    step = predicted_step(plan)
+    fused = [k for k, i in enumerate(plan.instructions) if i.kind in ("ag_matmul", "matmul_rs")]
+    for k in fused:
+        pieces = [t for t in step.instructions if t.index == k]
+        assert {t.args["pass"] for t in pieces} == {"forward", "backward"}
+        assert any(t.lane == COMPUTE for t in pieces)
+        placed = [p for p in step.placed if p.times.index == k]
+        assert len(placed) == len(pieces) and all(p.share == 1.0 for p in placed)
+    results = pools.get(2).run(traced_worker, plan, CONFIG, timeout_s=300)
+    result = comparison(plan, measured_trace(plan, [r[1] for r in results]))
+    rows = {r["instruction"]: r for r in result["instructions"]}
+    assert len(rows) == len(result["instructions"])
+    for k in fused:
+        want = sum(t.step_s for t in step.instructions if t.index == k)
+        assert rows[k]["predicted_s"] == pytest.approx(want, rel=1e-12) and rows[k]["measured_s"] > 0
+        assert rows[k]["lane"] == "communication"
