@@ -10,7 +10,9 @@ steps. Rank 0 writes {plan name: {"step_seconds": [...], "median_s": ..., "losse
 loss of every step, warm-up included, in step order], "phases_by_rank": [each rank's median
 seconds per phase: data, forward, backward, gradient_sync, update, loss, and when each gradient
 bucket was launched and completed], "wire_bytes_per_step":
-...}}.
+...}}; a pipeline plan's entry also has "events_by_rank": every timed step's actions on each
+rank, [[op, micro-batch, start, end], ...] in seconds from the earliest rank's start of that
+step (one clock: the ranks share a machine), to set against the predicted timeline.
 
 `--traced NAME` also runs, in every round right after plan NAME's steps, as many steps of NAME
 with every instruction timed (runtime.timing), on the same trainer: the report's "traced"
@@ -92,6 +94,10 @@ class PipelineEntry:
         loss = pipeline_trainer.train_step(self.trainer, step)
         return StepLog(loss, time.perf_counter() - start, dict(self.trainer.phases))
 
+    def events(self) -> list[tuple[str, int, float, float]]:
+        """The last step's actions (runtime.pipeline.trainer.train_step), absolute seconds."""
+        return list(self.trainer.events)
+
 
 Entry = PlanEntry | PipelineEntry | DDPTrainer
 
@@ -114,15 +120,20 @@ def _wire(reads_nic: bool, before: int | None) -> int:
     return int(total.item())
 
 
-def _steps(entry: Entry, first: int, count: int, phases: list | None = None) -> list[tuple[float, float]]:
+def _steps(entry: Entry, first: int, count: int, phases: list | None = None,
+           events: list | None = None) -> list[tuple[float, float]]:
     """(seconds, global loss) of `count` steps from step `first`; each step's phase seconds
-    on this rank are appended to `phases`."""
+    on this rank are appended to `phases`, and a pipeline entry's actions to `events`."""
     batches = [entry.make_batch(first + i) for i in range(count)]  # prefetched, not timed
     # start the timed steps together: a slow device makes its batches long after a fast one,
     # whose first step would otherwise time that wait (on the emulated cluster 1.5-2.3 s
     # against a 0.1 s step for 8192 tokens of a GPT MLP)
     dist.barrier()
-    logs = [entry.step(first + i, inputs) for i, inputs in enumerate(batches)]
+    logs = []
+    for i, inputs in enumerate(batches):
+        logs.append(entry.step(first + i, inputs))
+        if events is not None and isinstance(entry, PipelineEntry):
+            events.append(entry.events())
     if phases is not None:
         phases += [log.phases | bucket_marks(log) for log in logs]
     return [(log.seconds, log.loss) for log in logs]
@@ -136,6 +147,16 @@ def bucket_marks(log: StepLog) -> dict[str, float]:
 
 def _median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in steps) for k in steps[0]} if steps else {}
+
+
+def aligned_events(by_rank: list[list[list[tuple[str, int, float, float]]]]) -> list[list[list]]:
+    """Per rank, per step, its actions in seconds from the earliest rank's start of that step
+    (each step's first event is its ("step", -1, start, end))."""
+    if not by_rank or not by_rank[0]:
+        return [[] for _ in by_rank]
+    zero = [min(rank[i][0][2] for rank in by_rank) for i in range(len(by_rank[0]))]
+    return [[[[op, m, round(a - zero[i], 6), round(b - zero[i], 6)] for op, m, a, b in step]
+             for i, step in enumerate(rank)] for rank in by_rank]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +225,7 @@ def compare(rank: int, args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {n: [] for n in entries}
     losses: dict[str, list[float]] = {n: [] for n in entries}
     phases: dict[str, list[dict]] = {n: [] for n in entries}
+    events: dict[str, list] = {n: [] for n in entries}
     wire: dict[str, int] = {n: 0 for n in entries}
     step = {n: 0 for n in entries}
     tracer = StepTracer(entries[args.traced].trainer) if args.traced else None
@@ -214,7 +236,7 @@ def compare(rank: int, args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for name, entry in entries.items():
             before = nic_tx_bytes() if reads_nic else None
-            logs = _steps(entry, step[name], args.steps, phases[name])
+            logs = _steps(entry, step[name], args.steps, phases[name], events[name])
             times[name] += [seconds for seconds, _ in logs]
             losses[name] += [loss for _, loss in logs]
             wire[name] += _wire(reads_nic, before)
@@ -227,6 +249,8 @@ def compare(rank: int, args: argparse.Namespace) -> None:
     mine = {n: _median_phases(p) for n, p in phases.items()}
     every = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, every, dst=0)
+    actions = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(events, actions, dst=0)
     if tracer is not None and args.trace_raw:
         Path(args.trace_raw, f"rank{rank}.json").write_text(json.dumps(tracer.record()))
     if rank == 0:
@@ -234,6 +258,9 @@ def compare(rank: int, args: argparse.Namespace) -> None:
         report: dict = {n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
                             "phases_by_rank": [e[n] for e in every],
                             "wire_bytes_per_step": wire[n] / steps} for n, t in times.items()}
+        for n in times:
+            if isinstance(entries[n], PipelineEntry):
+                report[n]["events_by_rank"] = aligned_events([a[n] for a in actions])
         if tracer is not None:
             report["traced"] = {"name": args.traced, "step_seconds": traced, "median_s": statistics.median(traced),
                                 "untraced_step_seconds": times[args.traced]}

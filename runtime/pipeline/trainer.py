@@ -66,6 +66,7 @@ class PipelineTrainer:
     outbox: Outbox = field(default_factory=Outbox)
     losses: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # of the last step (train_step)
+    events: list[tuple[str, int, float, float]] = field(default_factory=list)  # of the last step (train_step)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -209,11 +210,15 @@ ACTION_PHASES = {ActionOp.F: "forward", ActionOp.B: "backward", ActionOp.RECV_F:
                  ActionOp.RECV_B: "receive", ActionOp.SEND_F: "send", ActionOp.SEND_B: "send"}
 
 
-def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = None) -> torch.Tensor:
+def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = None,
+                events: list[tuple[str, int, float, float]] | None = None) -> torch.Tensor:
     """This rank's stage actions for one step; returns its summed loss summand. `spent` gets
     the seconds of each kind of action (ACTION_PHASES; receive: the wait for the data), to set
-    against the prediction's per-micro-batch forward and backward."""
+    against the prediction's per-micro-batch forward and backward; `events` every action as
+    (op, micro-batch, start, end), perf_counter seconds (CLOCK_MONOTONIC: one clock for every
+    rank of a machine), to set against the predicted timeline."""
     spent = {} if spent is None else spent
+    events = [] if events is None else events
     clock = time.perf_counter()
     pipeline, s = t.pipeline, t.stage.index
     stats = statistics(t, step)
@@ -253,6 +258,7 @@ def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = 
                 torch.autograd.backward(roots, [None if last else r.new_zeros(0) for r in roots])
         now = time.perf_counter()
         spent[ACTION_PHASES[a.op]] = spent.get(ACTION_PHASES[a.op], 0.0) + now - clock
+        events.append((a.op.value, m, clock, now))
         clock = now
     return loss
 
@@ -325,17 +331,20 @@ def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
 def train_step(t: PipelineTrainer, step: int) -> float:
     """One step (module docstring); returns the global loss. `t.phases` gets this rank's
     seconds of the actions (and of each kind of action, `actions.forward` ...), the gradient
-    syncs, and the norm with the update."""
+    syncs, and the norm with the update; `t.events` its actions (run_actions) and the step's
+    start ("step", -1, start, start)."""
     with precision(t.config.dtype):
-        start, spent = time.perf_counter(), {}
-        loss = run_actions(t, step, spent)
+        start, spent, events = time.perf_counter(), {}, []
+        loss = run_actions(t, step, spent, events)
         t.outbox.flush()
         actions = time.perf_counter()
         sync_gradients(t)
         synced = time.perf_counter()
         value = clip_and_step(t, loss)
-    t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": time.perf_counter() - synced,
+    end = time.perf_counter()
+    t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": end - synced,
                 **{f"actions.{k}": v for k, v in spent.items()}}
+    t.events = [("step", -1, start, end), *events, ("sync", -1, actions, synced), ("update", -1, synced, end)]
     t.losses.append(value)
     return value
 
