@@ -39,14 +39,7 @@ of the (per group) tensor and s_i device i's share of the split dim within its g
              parts, then the padded all-gather, inside; a ring all-reduce across), not by
              the in-node ring all-reduce's: on local-emulated the all-to-all's fit inside a
              node is 1.4 ms + D / 0.90 Gbit/s, the padded all-gather's 3.2 ms + D / 1.15,
-             against the ring all-reduce's 2.6 ms + D / 2.2. On N = 2 nodes the runtime
-             exchanges the parts across instead (an all-gather of the D/t parts, summed:
-             reduce_across): the ring's bytes, D/t each way per member, in one step for its
-             two, so the cross term is alpha_e + D/t / beta_e on the same outer fit (the
-             ring all-reduce's of two members: two steps of D/2t over the same link). The
-             outer all-gathers' own fits on local-emulated scatter over what is one transfer
-             for two members (padded 1.8 ms + D / 0.086 Gbit/s, ring 0.9 ms + D / 0.083,
-             grouped 0.04 ms + D / 0.108), around the all-reduce's D / 0.095.
+             against the ring all-reduce's 2.6 ms + D / 2.2.
   all_to_all S(a) -> S(b), same shares: member i keeps s_i^2 D and sends s_i (1 - s_i) D
              (receives as much); on equal links (g-1) alpha + max_i s_i (1 - s_i) D / beta;
              across nodes a node n with share S_n sends S_n (1 - S_n) D over its NIC:
@@ -239,8 +232,7 @@ class CommModel:
     def _calibrated(self, kind: str, variant: str, axis: str) -> AlphaBeta | None:
         """The profiled fit for a collective along `axis`: the outer axis's own (measured with
         all its groups at once), else the all-device fit with the NIC shared per_node ways.
-        The cross-node step of the hierarchical all-reduce is an outer-axis ring (but on two
-        nodes: _hierarchical_allreduce)."""
+        The cross-node step of the hierarchical all-reduce is an outer-axis ring."""
         cal = self.cluster.calibration
         if cal is None:
             return None
@@ -297,12 +289,11 @@ class CommModel:
         if axis != "all" or not self.hierarchical:
             return float("inf")
         nodes, t = self.mesh.num_nodes, self.mesh.per_node
-        inside = sum((t - 1) * (alpha + nbytes / t / beta) for alpha, beta in
-                     (self.alpha_beta(kind, variant, "inner") for kind, variant in HIERARCHICAL_INNER_STAGES))
         alpha_e, beta_e = self.alpha_beta("all_reduce", "hierarchical", "outer")
         beta_e *= t  # the t concurrent cross-node all-reduces carry D/t each
-        steps = 1 if nodes == 2 else 2 * (nodes - 1)  # two nodes: an exchange (module docstring)
-        return inside + steps * alpha_e + 2 * (nodes - 1) / nodes * nbytes / beta_e
+        inside = sum((t - 1) * (alpha + nbytes / t / beta) for alpha, beta in
+                     (self.alpha_beta(kind, variant, "inner") for kind, variant in HIERARCHICAL_INNER_STAGES))
+        return inside + 2 * (nodes - 1) * alpha_e + 2 * (nodes - 1) / nodes * nbytes / beta_e
 
     def gradient_allreduce(self, nbytes: float, axis: str = "all") -> LinearCost:
         """Gradient all-reduce of a replicated parameter, bucketed as in DDP (Li et al., VLDB

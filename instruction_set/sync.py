@@ -124,22 +124,11 @@ def unbucketed(program: Sequence[Instruction]) -> set[str]:
 
 
 def sync_messages(bucket: GradBucket, group_size: int) -> int:
-    """What one bucket's collectives cost in the unit the per-message CPU cost is measured in
-    (instruction_set.cluster.DeviceKind.transfer_cpu_us_per_message: one asynchronous ring
-    all-reduce over every device, launched beside the compute; profiling.overlap): an
-    all-reduce bucket 1, whatever its variant's stages (its first issued by the gradient hook,
-    the later ones by the previous stage's completion, runtime.grad_sync); a reduce-scatter
-    one (padded) or one reduce per member (grouped).
-
-    Measured (BERT small-cpu on local-emulated, interleaved, rank medians): three hierarchical
-    buckets (three stages each) made a backward of 289-317 ms beside 279-317 ms for the same
-    three as ring all-reduces, where counting each stage as a message (3 per hierarchical
-    bucket) predicted 23 ms more on the quarter-CPU ranks; twelve hierarchical buckets made
-    342-430 ms in a run where three ring buckets made 313-371 ms: counting each network step
-    instead (3 of the ring's 6) predicted them no slower than three, and the plan chose them."""
+    """Asynchronous collectives one bucket issues: an all-reduce's stages (SYNC_MESSAGES); a
+    reduce-scatter one (padded) or one reduce per member (grouped)."""
     if bucket.kind == "reduce_scatter":
         return group_size if bucket.variant == "grouped" else 1
-    return 1
+    return SYNC_MESSAGES[bucket.variant]
 
 
 def _sync_key(ins: Instruction, zero2: set[str], scatter_variant: str) -> tuple[str, str, str]:

@@ -25,9 +25,8 @@ device kind's `transfer_cpu_share` (instruction_set.cluster), measured by `hetsy
 compute's own CPU quota (gamma near 1: the overlap hides little, and many small buckets cost
 their latency on the compute too); on GPUs the bytes move beside the compute (gamma near 0).
 Each message also costs m_i (transfer_cpu_us_per_message, the same measurement): a bucket's
-all-reduce is k_b = 1 message whatever its stages (instruction_set.sync.sync_messages: a
-hierarchical bucket's three stages measured no dearer than a ring's one; a ZeRO-2
-reduce-scatter bucket 1 padded, g grouped), so the whole backward's branch adds sum_b (gamma_i S_b + m_i k_b), a compute form per
+all-reduce is k_b messages (instruction_set.sync.sync_messages: ring 1, hierarchical 3
+stages; a ZeRO-2 reduce-scatter bucket 1 padded, g grouped), so the whole backward's branch adds sum_b (gamma_i S_b + m_i k_b), a compute form per
 device (`busy` counts it as compute): many small buckets pay m_i each.
 This is exactly an Overlap of B + 1 Series: the whole backward, and for each bucket the
 backward up to its readiness followed by its and the later buckets' all-reduces. The

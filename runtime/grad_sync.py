@@ -12,10 +12,8 @@ every bucket: that wait is the step's exposed gradient synchronisation.
 All-reduce variants are chains of asynchronous collectives, "stages":
 
     ring          all_reduce over the bucket's axis
-    hierarchical  reduce-scatter in the node, all-reduce of each rank's part across nodes
-                  (on two nodes an exchange of the parts, summed when the all-gather is
-                  issued: runtime.collectives.allreduce.reduce_across), all-gather in the node
-                  (BlueConnect; runtime.collectives.allreduce)
+    hierarchical  reduce-scatter in the node, all-reduce of each rank's part across nodes,
+                  all-gather in the node (BlueConnect; runtime.collectives.allreduce)
 
 The in-node reduce-scatter is an all-to-all of the parts, summed when the next stage is
 issued (runtime.collectives.allreduce.scatter_parts): gloo's reduce_scatter work has no
@@ -71,7 +69,7 @@ from torch import nn
 
 from instruction_set.mesh import Mesh, MeshAxis
 from instruction_set.sync import GradBucket
-from runtime.collectives.allreduce import reduce_across, scatter_parts
+from runtime.collectives.allreduce import scatter_parts
 from runtime.grad_rows import SCATTER_STAGES, RowsLayout, row_layouts
 from runtime.groups import Groups, group_timeout
 
@@ -146,7 +144,6 @@ class BucketRun:
     late: bool = False
     layouts: list[RowsLayout] = field(default_factory=list)   # reduce_scatter: one per dtype (buffers lazily)
     row_grads: dict[int, torch.Tensor] = field(default_factory=dict)   # reduce_scatter: id(param) -> my rows
-    slots: list[tuple[int, int]] = field(default_factory=list)   # dtype_index of each parameter, once made
 
     @property
     def nbytes(self) -> int:
@@ -158,15 +155,10 @@ class BucketRun:
         return [next(p for p in self.params if p.dtype == d) for d in dict.fromkeys(p.dtype for p in self.params)]
 
     def dtype_index(self, i: int) -> tuple[int, int]:
-        """(buffer, position in it) of parameter i (buffers by dtype, in first-seen order);
-        the table is made at the first call and kept (a gradient hook asks for every gradient)."""
-        if not self.slots:
-            dtypes = list(dict.fromkeys(p.dtype for p in self.params))
-            seen = dict.fromkeys(dtypes, 0)
-            for p in self.params:
-                self.slots.append((dtypes.index(p.dtype), seen[p.dtype]))
-                seen[p.dtype] += 1
-        return self.slots[i]
+        """(buffer, position in it) of parameter i (buffers by dtype, in first-seen order)."""
+        dtypes = list(dict.fromkeys(p.dtype for p in self.params))
+        d = dtypes.index(self.params[i].dtype)
+        return d, sum(1 for p in self.params[:i] if p.dtype == self.params[i].dtype)
 
     def copy_in(self, i: int) -> None:
         """A reduce-scatter bucket: parameter i's whole gradient into the copy-in buffer, dropped."""
@@ -191,12 +183,11 @@ def _scatter(flat: torch.Tensor, _: Any, group: Any) -> tuple[Any, Any]:
 
 
 def _across(_: torch.Tensor, parts: torch.Tensor, group: Any) -> tuple[Any, Any]:
-    # my part of the node's sum (the members' copies of it, received), over the nodes
-    return reduce_across(parts.sum(0), group, async_op=True)
+    part = parts.sum(0)   # my part of the node's sum (the members' copies of it, received)
+    return dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True), part
 
 
-def _gather(flat: torch.Tensor, rows: torch.Tensor, group: Any) -> tuple[Any, Any]:
-    part = rows.sum(0) if rows.shape[0] > 1 else rows[0]   # the nodes' parts (reduce_across), summed
+def _gather(flat: torch.Tensor, part: torch.Tensor, group: Any) -> tuple[Any, Any]:
     whole = flat.new_empty(part.numel() * dist.get_world_size(group))
     return dist.all_gather_single(whole, part, group=group, async_op=True), whole
 

@@ -15,6 +15,7 @@ from instruction_set.cluster import load_cluster
 from instruction_set.kinds import Category
 from planner.planner import make_plan
 from planner.ratios import solve_ratios
+from instruction_set.sync import SYNC_MESSAGES
 from planner.problem import Problem
 from planner.step_cost import backward_overlap, bucket_sync, program_terms
 from profiling.profiler import measured_spec
@@ -88,7 +89,7 @@ def test_transfer_cpu_share_charges_the_overlapped_compute() -> None:
     syncs = sum(seconds(bucket_sync(pb, b)) for b in plan.gradient_sync.buckets)
     assert costs[1.0][1] == pytest.approx(costs[0.0][1] + syncs)
     assert costs[0.0][0] < costs[1.0][0]
-    messages = len(plan.gradient_sync.buckets)  # all-reduce buckets, one message of 1 ms each
+    messages = sum(SYNC_MESSAGES[b.variant] for b in plan.gradient_sync.buckets)  # 1 ms each
     assert costs[1001.0][1] == pytest.approx(costs[1.0][1] + 1e-3 * messages)
 
 

@@ -4,9 +4,8 @@ Variants:
   ring          the backend's all_reduce on the group
   hierarchical  (all ranks of a two-level mesh) reduce-scatter inside each node (an all-to-all of
                 the t parts, then a sum: scatter_parts), all-reduce of each rank's 1/t across
-                nodes (reduce_across: on two nodes an exchange of the parts), all-gather
-                inside the node (BlueConnect, Cho et al., SysML 2019); `inner` and `outer`
-                are the node and cross-node spans
+                nodes, all-gather inside the node (BlueConnect, Cho et al., SysML 2019);
+                `inner` and `outer` are the node and cross-node spans
 
 Backward of the sum all-reduce is itself (the gradient of an R tensor is Partial; every rank
 needs the total). all_reduce_max is only applied to tensors without gradient.
@@ -45,31 +44,11 @@ def scatter_parts(flat: torch.Tensor, group: Any, *, async_op: bool = False) -> 
     return work, received.view(t, chunk)
 
 
-def reduce_across(part: torch.Tensor, group: Any, *, async_op: bool = False) -> tuple[Any, torch.Tensor]:
-    """The cross-node stage of the hierarchical all-reduce on this rank's part: (work when
-    `async_op`, rows), the rows' sum over dim 0 (in rank order, so every member's sum is the
-    same to the bit) being the part summed over the group's N members.
-
-    On N = 2 members an exchange: an all-gather of the parts, rows [N, part]. It moves what the
-    ring all-reduce moves, each member's part once over the link ((N-1)/N D twice for the
-    ring, D once here), in one step where gloo's ring all-reduce takes 2 (N-1) steps of
-    segments, each a round trip; on CPU workers under a quota each step of a transfer that
-    runs beside the compute can wait for the next quota period (the per-message cost of
-    instruction_set.cluster.DeviceKind.transfer_cpu_us_per_message). Beyond two members the
-    all-gather would move (N-1) D, more than the ring's 2 (N-1)/N D: the ring all-reduce in
-    place, rows [1, part]."""
-    n = dist.get_world_size(group)
-    if n != 2:
-        return dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=async_op), part.view(1, -1)
-    rows = part.new_empty(n * part.numel())
-    return dist.all_gather_single(rows, part, group=group, async_op=async_op), rows.view(n, -1)
-
-
 def reduce_hierarchical(x: torch.Tensor, inner: Span, outer: Span) -> torch.Tensor:
     flat = x.contiguous().reshape(-1)
     _, parts = scatter_parts(flat, inner.group)
-    _, rows = reduce_across(parts.sum(0), outer.group)
-    part = rows.sum(0)
+    part = parts.sum(0)
+    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=outer.group)
     whole = flat.new_empty(part.numel() * inner.size)
     dist.all_gather_single(whole, part, group=inner.group)
     return whole[:flat.numel()].view_as(x)
