@@ -30,8 +30,9 @@ from common import RESULTS, ROOT, markdown_table, print_table, write_json
 
 sys.path.insert(0, str(ROOT))
 
+from instruction_set.program import FUSED_MATMULS  # noqa: E402  (after the path)
+
 BASE = RESULTS / "local-emulated-measured.toml"
-FUSED = ("ag_matmul", "matmul_rs")
 # GPT small-cpu widened (hidden 512, FFN 2048) on 8 sequences of 64 tokens: weights big against
 # the batch, so that on `across` the planner's own plan is tensor parallel (sequence-parallel,
 # Megatron pairs) and fuses its pairs
@@ -231,6 +232,11 @@ def tensor_parallel_force(graph) -> dict[str, str]:
     return force | {n.name: "S0" for n in graph.calls if n.target == "aten.add.Tensor" and "blocks" in n.module_path}
 
 
+def fused_count(plan) -> int:
+    """How many of the plan's instructions are fused collective-matmuls."""
+    return sum(i.kind in FUSED_MATMULS for i in plan.instructions)
+
+
 def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
                keep_trace: Path | None = None) -> tuple[dict, list]:
     """The planner's own plan when it fuses (else, a plan with forced tensor-parallel layouts in
@@ -247,14 +253,15 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
     spec = load_cluster(spec_path)
     graph = hetsynth.capture_measured(model_ref, cluster=spec)  # ops timed on the emulated devices
     own = make_plan(graph, spec, progress=False, with_baselines=False)
-    own_fused = sum(i.kind in FUSED for i in own.instructions)
+    own_fused = fused_count(own)
     if own_fused:
         fused, how = own, "the planner's own plan"
     else:
         fused, how = make_plan(graph, spec, progress=False, with_baselines=False,
                                restrictions=Restrictions(force=tensor_parallel_force(graph), two_level=False)), \
             "TP layouts forced, fusion by the cost model"
-    if not any(i.kind in FUSED for i in fused.instructions):
+    count = fused_count(fused)
+    if not count:
         raise SystemExit(f"the cost model fuses nothing in the tensor-parallel plan of {model_ref} on {env}")
     plain = without_fusion(fused)
     paths = {}
@@ -276,10 +283,10 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
     ratio = [f / u for f, u in zip(times["fused"]["step_seconds"], times["unfused"]["step_seconds"])]
     result = {"fused_s": times["fused"]["median_s"], "unfused_s": times["unfused"]["median_s"],
               "predicted_s": fused.predicted.step_time_s, "predicted_unfused_s": plain.predicted.step_time_s,
-              "model": model_ref, "env": env, "plan": how, "fused_instructions": sum(i.kind in FUSED for i in fused.instructions),
+              "model": model_ref, "env": env, "plan": how, "fused_instructions": count,
               "fused_over_unfused_median": statistics.median(ratio), "steps": len(ratio),
               "device_scales": dict(graph.device_scales or {})}
-    kinds = sorted({i.describe() for i in fused.instructions if i.kind in FUSED})[:2]
+    kinds = sorted({i.describe() for i in fused.instructions if i.kind in FUSED_MATMULS})[:2]
     row = [f"{model_ref} on {env}, {how}",
            f"{result['fused_s']:.3f}", f"{result['unfused_s']:.3f}",
            f"{result['predicted_s']:.3f}", f"{plain.predicted.step_time_s:.3f}",
