@@ -170,22 +170,24 @@ def predicted_step(plan: Plan) -> PredictedStep:
                                             max(per_class), instruction_args(plan, index, pb.meta(ins.tensor).nbytes))
     share = {i: forward_share(pb, plan.instructions[i]) for i in times}
     gathers = _zero3_times(plan, pb)  # ZeRO-3: index of the param -> (its forward gathers, its backward)
-    steps = [i for i in range(len(plan.instructions))
-             if i in gathers or i in fused or (i in times and plan.instructions[i].kind != "param")]
-    placed, t = _place([x for i in steps for x in ([(gathers[i][0], 1.0)] if i in gathers else
-                                                   [(f, 1.0) for f in fused[i][0]] if i in fused else
-                                                   [(times[i], share[i])])], 0.0)
+
+    def pieces(i: int, forward: bool) -> list[tuple[InstructionTimes, float]]:
+        """Instruction i's pieces in the forward (or the backward) pass, with their shares:
+        a ZeRO-3 gather, a fused instruction's ring steps, or the plain instruction."""
+        half = 0 if forward else 1
+        if i in gathers:
+            return [(gathers[i][half], 1.0)]
+        if i in fused:
+            return [(f, 1.0) for f in fused[i][half]]
+        if i in times and plan.instructions[i].kind != "param":
+            return [(times[i], share[i] if forward else backward_share(pb, plan.instructions[i]))]
+        return []
+
+    placed, t = _place([x for i in range(len(plan.instructions)) for x in pieces(i, True)], 0.0)
     done: dict[int, float] = {}
     for i in range(len(plan.instructions) - 1, -1, -1):
-        if i in gathers:
-            more, t = _place([(gathers[i][1], 1.0)], t)
-            placed += more
-        elif i in fused:
-            more, t = _place([(f, 1.0) for f in fused[i][1]], t)
-            placed += more
-        elif i in share and plan.instructions[i].kind != "param":
-            more, t = _place([(times[i], backward_share(pb, plan.instructions[i]))], t)
-            placed += more
+        more, t = _place(pieces(i, False), t)
+        placed += more
         done[i] = t
     buckets = _buckets(plan, pb, done)
     more, t = _place([(x, 1.0) for x in _transfer_cpu_times(plan, pb)], t)

@@ -210,14 +210,12 @@ ACTION_PHASES = {ActionOp.F: "forward", ActionOp.B: "backward", ActionOp.RECV_F:
                  ActionOp.RECV_B: "receive", ActionOp.SEND_F: "send", ActionOp.SEND_B: "send"}
 
 
-def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = None,
+def run_actions(t: PipelineTrainer, step: int,
                 events: list[tuple[str, int, float, float]] | None = None) -> torch.Tensor:
-    """This rank's stage actions for one step; returns its summed loss summand. `spent` gets
-    the seconds of each kind of action (ACTION_PHASES; receive: the wait for the data), to set
-    against the prediction's per-micro-batch forward and backward; `events` every action as
-    (op, micro-batch, start, end), perf_counter seconds (CLOCK_MONOTONIC: one clock for every
-    rank of a machine), to set against the predicted timeline."""
-    spent = {} if spent is None else spent
+    """This rank's stage actions for one step; returns its summed loss summand. `events` gets
+    every action as (op, micro-batch, start, end), perf_counter seconds (CLOCK_MONOTONIC: one
+    clock for every rank of a machine), to set against the predicted timeline, the setup
+    (statistics, receives posted) first as ("setup", -1, start, end)."""
     events = [] if events is None else events
     clock = time.perf_counter()
     pipeline, s = t.pipeline, t.stage.index
@@ -229,7 +227,8 @@ def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = 
     last = s == len(pipeline.stages) - 1
     posted = {(a.boundary, a.micro_batch): post_receive(_link(t, a.boundary, a.micro_batch))
               for a in pipeline.actions[s] if a.op is ActionOp.RECV_F}  # all ahead (runtime.pipeline.transfer)
-    spent["setup"], clock = time.perf_counter() - clock, time.perf_counter()  # statistics, receives posted
+    events.append(("setup", -1, clock, time.perf_counter()))
+    clock = time.perf_counter()
     for a in pipeline.actions[s]:
         m = a.micro_batch
         if a.op is ActionOp.RECV_F:
@@ -257,7 +256,6 @@ def run_actions(t: PipelineTrainer, step: int, spent: dict[str, float] | None = 
             if roots:
                 torch.autograd.backward(roots, [None if last else r.new_zeros(0) for r in roots])
         now = time.perf_counter()
-        spent[ACTION_PHASES[a.op]] = spent.get(ACTION_PHASES[a.op], 0.0) + now - clock
         events.append((a.op.value, m, clock, now))
         clock = now
     return loss
@@ -328,14 +326,25 @@ def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
     return float(both[1])
 
 
+def seconds_by_kind(events: list[tuple[str, int, float, float]]) -> dict[str, float]:
+    """Seconds of each kind of action (ACTION_PHASES; receive: the wait for the data; and the
+    setup), summed over run_actions' events: to set against the prediction's per-micro-batch
+    forward and backward."""
+    kind = {op.value: name for op, name in ACTION_PHASES.items()} | {"setup": "setup"}
+    out: dict[str, float] = {}
+    for op, _, start, end in events:
+        out[kind[op]] = out.get(kind[op], 0.0) + end - start
+    return out
+
+
 def train_step(t: PipelineTrainer, step: int) -> float:
     """One step (module docstring); returns the global loss. `t.phases` gets this rank's
     seconds of the actions (and of each kind of action, `actions.forward` ...), the gradient
     syncs, and the norm with the update; `t.events` its actions (run_actions) and the step's
     start ("step", -1, start, start)."""
     with precision(t.config.dtype):
-        start, spent, events = time.perf_counter(), {}, []
-        loss = run_actions(t, step, spent, events)
+        start, events = time.perf_counter(), []
+        loss = run_actions(t, step, events)
         t.outbox.flush()
         actions = time.perf_counter()
         sync_gradients(t)
@@ -343,7 +352,7 @@ def train_step(t: PipelineTrainer, step: int) -> float:
         value = clip_and_step(t, loss)
     end = time.perf_counter()
     t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": end - synced,
-                **{f"actions.{k}": v for k, v in spent.items()}}
+                **{f"actions.{k}": v for k, v in seconds_by_kind(events).items()}}
     t.events = [("step", -1, start, end), *events, ("sync", -1, actions, synced), ("update", -1, synced, end)]
     t.losses.append(value)
     return value
