@@ -12,6 +12,14 @@ Semantics (the runtime's, runtime.pipeline):
   NICs it crosses, `resources[channel]`: transfers of different boundaries or directions that
   share a NIC queue for it, in the order the simulation posts them). A channel without
   resources only queues behind itself.
+- A RECV of micro-batch m waits for its transfer's arrival A. The receiving worker's CPU for
+  it (`receive_cpu[channel][m]`, r) is spent while the data comes in: in the wait when the
+  stage is idle, beside the stage's compute when it is busy, so
+
+      clock_s <- max(clock_s + r, A)
+
+  (a stage that waits anyway pays nothing for it; one that computes until after A pays all
+  of it). What a sender's CPU costs stays in the sending action's time (planner.stage_times).
 - Stage s ends at its last action's end plus `sync_s` (its in-stage gradient all-reduce); then
   the all-reduces of parameters several stages hold (`shared_s`, once all stages are done), one
   world all-reduce of [norm^2, loss] (`global_s`) and the slowest stage's `update_s`.
@@ -60,9 +68,10 @@ class Timeline:
 class _Sim:
     def __init__(self, actions: Sequence[Sequence[Action]], stages: Sequence[StageTimes], links: Sequence[Link],
                  transfers: Mapping[tuple[int, str], Sequence[float]],
-                 resources: Mapping[tuple[int, str], frozenset[Hashable]]) -> None:
+                 resources: Mapping[tuple[int, str], frozenset[Hashable]],
+                 receive_cpu: Mapping[tuple[int, str], Sequence[float]]) -> None:
         self.actions, self.stages, self.links, self.transfers = actions, stages, links, transfers
-        self.resources = resources
+        self.resources, self.receive_cpu = resources, receive_cpu
         self.resource_free: dict[Hashable, float] = {}
         self.clock = [0.0] * len(actions)
         self.arrival: dict[tuple[int, str, int], float] = {}
@@ -75,7 +84,8 @@ class _Sim:
             key = (a.boundary, a.op.value[-1], a.micro_batch)
             if key not in self.arrival:
                 return False
-            self.clock[s] = max(self.clock[s], self.arrival[key])
+            cpu = self.receive_cpu.get(key[:2], ())
+            self.clock[s] = max(self.clock[s] + (cpu[a.micro_batch] if cpu else 0.0), self.arrival[key])
         elif a.op in (ActionOp.F, ActionOp.B):
             times = self.stages[s].forward_s if a.op is ActionOp.F else self.stages[s].backward_s
             start = self.clock[s]
@@ -101,11 +111,13 @@ class _Sim:
 def simulate_schedule(actions: Sequence[Sequence[Action]], stages: Sequence[StageTimes], links: Sequence[Link],
                       transfers: Mapping[tuple[int, str], Sequence[float]], *, global_s: float = 0.0,
                       shared_s: float = 0.0,
-                      resources: Mapping[tuple[int, str], frozenset[Hashable]] | None = None) -> Timeline:
+                      resources: Mapping[tuple[int, str], frozenset[Hashable]] | None = None,
+                      receive_cpu: Mapping[tuple[int, str], Sequence[float]] | None = None) -> Timeline:
     """The timeline of one step. `transfers[(boundary, "F" | "B")][m]`: seconds of micro-batch
     m's activation (F) or gradient (B) transfer on that boundary (absent: 0); `resources` of
-    the same keys: the NICs each transfer holds (absent: none)."""
-    sim = _Sim(actions, stages, links, transfers, resources or {})
+    the same keys: the NICs each transfer holds (absent: none); `receive_cpu` of the same
+    keys: the receiving worker's CPU seconds for it (absent: 0; module docstring)."""
+    sim = _Sim(actions, stages, links, transfers, resources or {}, receive_cpu or {})
     pos = [0] * len(actions)
     moved = True
     while moved:

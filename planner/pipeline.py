@@ -140,11 +140,12 @@ def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], 
     transfers = {(i, d): tuple(bd.reshard[b].predicted_s for b in sizes) for i, bd in enumerate(boundaries) for d in "FB"}
     nics = {(i, d): stage_times.nics(bd, max(sizes), hosts, d) for i, bd in enumerate(boundaries) for d in "FB"}
     times = stage_times.stage_times(stages, boundaries, sizes)
+    received = stage_times.receive_cpu(stages, boundaries, sizes)
     ends = {"global_s": stage_times.global_s(cluster), "shared_s": stage_times.shared_s(stages, cluster)}
 
     def simulate(s: Schedule) -> Timeline:
         return simulate_schedule(build_actions(s, len(sizes), links, len(stages)), times, links, transfers,
-                                 resources=nics, **ends)
+                                 resources=nics, receive_cpu=received, **ends)
 
     timeline = simulate(schedule)
     if others is None:

@@ -23,8 +23,15 @@ and (host, "in") at the receiver: transfers that share a NIC queue for it
 the background (the kinds' measured point-to-point share of its seconds plus their cost per
 message times the slices, `p2p_cpu_share` and `p2p_cpu_us_per_message`, profiled apart from
 the all-reduces' that planner.step_cost charges the gradient buckets; a spec profiled without
-them falls back to those)
-is added to the sending and the receiving action of that micro-batch.
+them falls back to those) is added to the sending action of that micro-batch (the forward
+of the source stage, the backward of the destination stage), and the receiving end's is the
+simulation's receive CPU (cost_models.schedule: paid only where the receiver is busy while
+the data arrives):
+
+    F_src(m) += X_src(m),  B_dst(m) += X_dst(m),  receive_cpu[(i, F)][m] = X_dst(m),
+    receive_cpu[(i, B)][m] = X_src(m)
+
+X_s(m) the transfer CPU of boundary i's slices at stage s's busiest worker (transfer_cpu_s).
 """
 
 from __future__ import annotations
@@ -136,19 +143,39 @@ def p2p_cpu(kind: DeviceKind) -> tuple[float, float]:
     return kind.p2p_cpu_share, kind.p2p_cpu_us_per_message
 
 
+def boundary_cpu(stages: Sequence[PipelineStage], bd: Boundary, sizes: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(X_src(m), X_dst(m)) per micro-batch: what boundary bd's transfer of micro-batch m costs
+    its source and its destination stage (module docstring)."""
+    ends = []
+    for s in (bd.src_stage, bd.dst_stage):
+        cpu = {b: transfer_cpu_s(stages[s], bd, b, bd.reshard[b].predicted_s) for b in set(sizes)}
+        ends.append(tuple(cpu[b] for b in sizes))
+    return ends[0], ends[1]
+
+
 def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
                 sizes: Sequence[int]) -> list[StageTimes]:
-    """Per stage, the forward and backward seconds of every micro-batch (transfer CPU
-    included), the sync and the update (module docstring)."""
+    """Per stage, the forward and backward seconds of every micro-batch (the CPU of the
+    transfers it sends included), the sync and the update (module docstring)."""
     phases = [{b: stage_phases(st.plans[b]) for b in set(sizes)} for st in stages]
     fwd = [[phases[s][b].forward_s for b in sizes] for s in range(len(stages))]
     bwd = [[phases[s][b].backward_s for b in sizes] for s in range(len(stages))]
     for bd in boundaries:
-        for s in (bd.src_stage, bd.dst_stage):  # each end pays it forward and backward
-            cpu = {b: transfer_cpu_s(stages[s], bd, b, bd.reshard[b].predicted_s) for b in set(sizes)}
-            for m, b in enumerate(sizes):
-                fwd[s][m] += cpu[b]
-                bwd[s][m] += cpu[b]
+        src, dst = boundary_cpu(stages, bd, sizes)  # the source sends forward, the destination backward
+        for m in range(len(sizes)):
+            fwd[bd.src_stage][m] += src[m]
+            bwd[bd.dst_stage][m] += dst[m]
     big = max(sizes)
     return [StageTimes(tuple(fwd[s]), tuple(bwd[s]), sync_s=phases[s][big].sync_s, update_s=phases[s][big].update_s)
             for s in range(len(stages))]
+
+
+def receive_cpu(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
+                sizes: Sequence[int]) -> dict[Channel, tuple[float, ...]]:
+    """Per channel (boundary, "F" | "B"), the receiving stage's transfer CPU of each micro-batch:
+    the destination's forward, the source's backward (module docstring)."""
+    out: dict[Channel, tuple[float, ...]] = {}
+    for i, bd in enumerate(boundaries):
+        src, dst = boundary_cpu(stages, bd, sizes)
+        out[(i, "F")], out[(i, "B")] = dst, src
+    return out

@@ -98,3 +98,20 @@ def test_end_of_step_phases_add_up():
         ends[e.stage] = max(ends.get(e.stage, 0.0), e.end_s)
     got = simulate_schedule(actions, stages, links, {}, shared_s=0.125, global_s=0.0625).step_time_s
     assert got == max(ends[0] + 0.5, ends[1] + 3.0) + 0.125 + 0.0625 + 0.75
+
+
+def test_receive_cpu_is_paid_only_where_the_receiver_is_busy():
+    """GPipe, 2 stages, F = 1, B = 2, C = 1, receive CPU r = 0.5 of each activation. M = 1:
+    stage 1 waits from 0 until the activation arrives at 2, so r falls into the wait and the
+    step stays 8. M = 2: the second activation arrives at 3 while stage 1 computes F0 (2-3),
+    so its receive CPU delays F1 by r: clock = max(3 + 0.5, 3)."""
+    links = chain(2)
+    for m, extra in ((1, 0.0), (2, 0.5)):
+        actions = build_actions(Schedule.GPIPE, m, links, 2)
+        stages = [StageTimes((1.0,) * m, (2.0,) * m) for _ in range(2)]
+        transfers = {(0, d): (1.0,) * m for d in "FB"}
+        base = simulate_schedule(actions, stages, links, transfers)
+        got = simulate_schedule(actions, stages, links, transfers, receive_cpu={(0, "F"): (0.5,) * m})
+        assert got.step_time_s == pytest.approx(base.step_time_s + extra)
+        second = [e for e in got.events if e.stage == 1 and e.kind == "F"][-1]
+        assert second.start_s == pytest.approx(2.0 if m == 1 else 3.5)
