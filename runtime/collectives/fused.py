@@ -41,33 +41,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from runtime.collectives import ring
 from runtime.collectives.span import Span, pad_rows
 
 Compute = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 # (member j, first row in x_j, rows, out): writes the output of those rows into `out` (a view
 # of the caller's output with as many rows), so that no chunk's result is copied again
 Part = Callable[[int], torch.Tensor]  # member j -> this rank's summand of chunk j, a new tensor (added into)
-
-
-def _post(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int) -> list[Any]:
-    """Post a ring step (send to the member `direction` ahead, receive from the one behind);
-    empty tensors are skipped. Returns the works, to be waited exactly once.
-
-    The receive is posted first. Gloo's TCP pair sends a buffer only once the peer has said
-    that its receive is posted (a NOTIFY_RECV_READY message on the same TCP stream as the
-    data). In a two-member ring both ranks send and receive over one connection: posted send
-    first, a rank's data can enter the stream before its own recv-ready notice, which then waits
-    behind the whole message, and the peer's transfer starts only when this one has arrived:
-    the step takes twice the transfer (measured across the 200 Mbit/s emulated link: a 2 MiB
-    step 155-164 ms instead of 78-87 ms in about 1 call of 10; never in 24 calls with the
-    receive first)."""
-    g, i = span.size, span.index
-    ops = []
-    if recv is not None and recv.numel() > 0:
-        ops.append(dist.P2POp(dist.irecv, recv, span.members[(i - direction) % g], group=span.group))
-    if send is not None and send.numel() > 0:
-        ops.append(dist.P2POp(dist.isend, send, span.members[(i + direction) % g], group=span.group))
-    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(works: list[Any]) -> None:
@@ -84,13 +64,13 @@ def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute, y: torch.Tenso
     x = x.contiguous()
     full = x.new_empty(sum(span.lengths), *x.shape[1:])
     blocks = [full.narrow(0, span.offset(j), n) for j, n in enumerate(span.lengths)]
-    works = _post(x, blocks[(i - 1) % g], span, 1) if g > 1 else []
+    works = ring.post(x, blocks[(i - 1) % g], span, 1) if g > 1 else []
     compute(i, 0, x, y.narrow(0, span.offset(i), span.lengths[i]))
     blocks[i].copy_(x)
     for s in range(1, g):
         _wait(works)
         j = (i - s) % g
-        works = _post(blocks[j], blocks[(j - 1) % g], span, 1) if s < g - 1 else []
+        works = ring.post(blocks[j], blocks[(j - 1) % g], span, 1) if s < g - 1 else []
         compute(j, 0, blocks[j], y.narrow(0, span.offset(j), span.lengths[j]))
     return full
 
@@ -104,7 +84,7 @@ def matmul_rs_ring(span: Span, part: Part) -> torch.Tensor:
     received = acc.new_empty(max(span.lengths), *acc.shape[1:]) if g > 1 else acc
     for s in range(1, g):
         buf = received.narrow(0, 0, span.lengths[order[s]])
-        works = _post(acc, buf, span, -1)
+        works = ring.post(acc, buf, span, -1)
         z = part(order[s])
         _wait(works)
         acc = z.add_(buf).contiguous()
