@@ -145,11 +145,12 @@ def stage_terms(plan) -> list[dict]:
     (charged to its actions) and of those it receives (charged where it is busy while the data
     arrives: cost_models.schedule), to set against the measured `actions.forward` and
     `actions.backward` of its ranks."""
-    from planner.stage_times import receive_cpu, stage_phases, stage_times
+    from planner.stage_times import boundary_cpus, receive_cpu, stage_phases, stage_times
 
     p = plan.pipeline
-    times = stage_times(p.stages, p.boundaries, p.micro_batches)
-    received = receive_cpu(p.stages, p.boundaries, p.micro_batches)
+    cpus = boundary_cpus(p.stages, p.boundaries, p.micro_batches)
+    times = stage_times(p.stages, p.boundaries, p.micro_batches, cpus)
+    received = receive_cpu(cpus)
     out = []
     for st, t in zip(p.stages, times):
         f = sum(stage_phases(st.plans[b]).forward_s for b in p.micro_batches)

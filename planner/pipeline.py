@@ -139,8 +139,9 @@ def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], 
     hosts = cluster.rank_nodes()
     transfers = {(i, d): tuple(bd.reshard[b].predicted_s for b in sizes) for i, bd in enumerate(boundaries) for d in "FB"}
     nics = {(i, d): stage_times.nics(bd, max(sizes), hosts, d) for i, bd in enumerate(boundaries) for d in "FB"}
-    times = stage_times.stage_times(stages, boundaries, sizes)
-    received = stage_times.receive_cpu(stages, boundaries, sizes)
+    cpus = stage_times.boundary_cpus(stages, boundaries, sizes)
+    times = stage_times.stage_times(stages, boundaries, sizes, cpus)
+    received = stage_times.receive_cpu(cpus)
     ends = {"global_s": stage_times.global_s(cluster), "shared_s": stage_times.shared_s(stages, cluster)}
 
     def simulate(s: Schedule) -> Timeline:

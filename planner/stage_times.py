@@ -143,25 +143,30 @@ def p2p_cpu(kind: DeviceKind) -> tuple[float, float]:
     return kind.p2p_cpu_share, kind.p2p_cpu_us_per_message
 
 
-def boundary_cpu(stages: Sequence[PipelineStage], bd: Boundary, sizes: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(X_src(m), X_dst(m)) per micro-batch: what boundary bd's transfer of micro-batch m costs
-    its source and its destination stage (module docstring)."""
-    ends = []
-    for s in (bd.src_stage, bd.dst_stage):
-        cpu = {b: transfer_cpu_s(stages[s], bd, b, bd.reshard[b].predicted_s) for b in set(sizes)}
-        ends.append(tuple(cpu[b] for b in sizes))
-    return ends[0], ends[1]
+def boundary_cpus(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
+                  sizes: Sequence[int]) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Per boundary, (X_src(m), X_dst(m)) per micro-batch: what its transfer of micro-batch m
+    costs its source and its destination stage (module docstring)."""
+    out = []
+    for bd in boundaries:
+        ends = []
+        for s in (bd.src_stage, bd.dst_stage):
+            cpu = {b: transfer_cpu_s(stages[s], bd, b, bd.reshard[b].predicted_s) for b in set(sizes)}
+            ends.append(tuple(cpu[b] for b in sizes))
+        out.append((ends[0], ends[1]))
+    return out
 
 
-def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
-                sizes: Sequence[int]) -> list[StageTimes]:
+def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], sizes: Sequence[int],
+                cpus: Sequence[tuple[tuple[float, ...], tuple[float, ...]]] | None = None) -> list[StageTimes]:
     """Per stage, the forward and backward seconds of every micro-batch (the CPU of the
-    transfers it sends included), the sync and the update (module docstring)."""
+    transfers it sends included), the sync and the update (module docstring); `cpus`:
+    boundary_cpus(stages, boundaries, sizes) when already known."""
     phases = [{b: stage_phases(st.plans[b]) for b in set(sizes)} for st in stages]
     fwd = [[phases[s][b].forward_s for b in sizes] for s in range(len(stages))]
     bwd = [[phases[s][b].backward_s for b in sizes] for s in range(len(stages))]
-    for bd in boundaries:
-        src, dst = boundary_cpu(stages, bd, sizes)  # the source sends forward, the destination backward
+    cpus = boundary_cpus(stages, boundaries, sizes) if cpus is None else cpus
+    for bd, (src, dst) in zip(boundaries, cpus):  # the source sends forward, the destination backward
         for m in range(len(sizes)):
             fwd[bd.src_stage][m] += src[m]
             bwd[bd.dst_stage][m] += dst[m]
@@ -170,12 +175,7 @@ def stage_times(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
             for s in range(len(stages))]
 
 
-def receive_cpu(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
-                sizes: Sequence[int]) -> dict[Channel, tuple[float, ...]]:
-    """Per channel (boundary, "F" | "B"), the receiving stage's transfer CPU of each micro-batch:
-    the destination's forward, the source's backward (module docstring)."""
-    out: dict[Channel, tuple[float, ...]] = {}
-    for i, bd in enumerate(boundaries):
-        src, dst = boundary_cpu(stages, bd, sizes)
-        out[(i, "F")], out[(i, "B")] = dst, src
-    return out
+def receive_cpu(cpus: Sequence[tuple[tuple[float, ...], tuple[float, ...]]]) -> dict[Channel, tuple[float, ...]]:
+    """Per channel (boundary, "F" | "B"), the receiving stage's transfer CPU of each micro-batch
+    (`cpus`: boundary_cpus): the destination's forward, the source's backward (module docstring)."""
+    return {(i, d): x for i, (src, dst) in enumerate(cpus) for d, x in (("F", dst), ("B", src))}

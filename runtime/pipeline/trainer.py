@@ -227,8 +227,9 @@ def run_actions(t: PipelineTrainer, step: int,
     last = s == len(pipeline.stages) - 1
     posted = {(a.boundary, a.micro_batch): post_receive(_link(t, a.boundary, a.micro_batch))
               for a in pipeline.actions[s] if a.op is ActionOp.RECV_F}  # all ahead (runtime.pipeline.transfer)
-    events.append(("setup", -1, clock, time.perf_counter()))
-    clock = time.perf_counter()
+    now = time.perf_counter()
+    events.append(("setup", -1, clock, now))
+    clock = now
     for a in pipeline.actions[s]:
         m = a.micro_batch
         if a.op is ActionOp.RECV_F:
@@ -340,8 +341,8 @@ def seconds_by_kind(events: list[tuple[str, int, float, float]]) -> dict[str, fl
 def train_step(t: PipelineTrainer, step: int) -> float:
     """One step (module docstring); returns the global loss. `t.phases` gets this rank's
     seconds of the actions (and of each kind of action, `actions.forward` ...), the gradient
-    syncs, and the norm with the update; `t.events` its actions (run_actions) and the step's
-    start ("step", -1, start, start)."""
+    syncs, and the norm with the update; `t.events` the step ("step", -1, start, end) first,
+    then its actions (run_actions), the gradient syncs ("sync") and the update ("update")."""
     with precision(t.config.dtype):
         start, events = time.perf_counter(), []
         loss = run_actions(t, step, events)
