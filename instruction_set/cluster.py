@@ -33,7 +33,7 @@ import json
 import tomllib
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -116,6 +116,10 @@ class Emulation(_Frozen):
     burst_kib: int = Field(default=256, ge=2, le=65536, description="the tbf bucket of every shaped link: a "
                            "message of up to this size leaves at once when the link has been idle, so keep it "
                            "well under the messages timed on slow links")
+    comm_engine: Literal["separate", "shared"] = Field(
+        default="separate", description="separate: a worker's threads other than its main one (gloo's "
+        "transport and collective threads, which move the bytes) run outside the device's CPU quota, as a "
+        "GPU's NIC and copy engines work beside its SMs; shared: they spend the device's quota")
 
     @model_validator(mode="after")
     def _quotas_positive(self) -> "Emulation":

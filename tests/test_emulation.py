@@ -85,6 +85,39 @@ def test_compute_ratio_matches_quotas() -> None:
     assert abs(fast / slow / expected - 1) < 0.2, (rates, fast / slow, expected)
 
 
+THREADS = """
+import os, threading, time
+from runtime.emulation import join_device
+engine = join_device()
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait)   # a thread made after joining, as gloo's are
+worker.start()
+time.sleep(0.3)
+def group(tid): return open(f"/proc/self/task/{tid}/cgroup").read()
+print(repr(engine is not None), group(os.getpid()).count("/r0"), group(worker.native_id).count("/c0"),
+      sorted(os.sched_getaffinity(worker.native_id)) == sorted(range(os.cpu_count())), len(os.sched_getaffinity(0)))
+stop.set()
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("engine", ["separate", "shared"])
+def test_communication_threads_leave_the_device_quota(engine: str) -> None:
+    """comm_engine = "separate": a thread the worker makes after joining its device (gloo's, in
+    a run) moves to the rank's communication cgroup, on any CPU, while the main thread stays in
+    the device's quota, on its one CPU; "shared": no communication group, nothing moves."""
+    raw = SPEC.model_dump(mode="json")
+    raw["emulation"]["comm_engine"] = engine
+    with Emulation(cluster_from_dict(raw)) as emu:
+        env = {**__import__("os").environ, "HETSYNTH_EMULATION": emu.rank_env(), "PYTHONPATH": str(ROOT),
+               "RANK": "0"}
+        out = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True, env=env, cwd=ROOT,
+                             timeout=60)
+    assert out.returncode == 0, out.stderr
+    separate = engine == "separate"
+    assert out.stdout.split() == [str(separate), "1", "1" if separate else "0", str(separate), "1"], out.stdout
+
+
 @needs_root
 def test_nothing_left_behind_even_on_errors() -> None:
     before = leftovers()
