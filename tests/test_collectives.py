@@ -132,3 +132,26 @@ def group_timeouts(rank: int, world: int) -> list[float]:
 def test_node_and_cross_node_groups_get_the_run_timeout(pools) -> None:
     """new_group without timeout= would give the node groups torch's 30-minute default."""
     assert pools.get(4).run(group_timeouts) == [[60.0] * 3] * 4
+
+
+def test_poster_posts_in_order_and_hands_errors_to_the_waiter() -> None:
+    """ring.Poster (the fused rings' posting thread): steps run in the order handed, each off
+    the calling thread; an error in one reaches whoever waits it, and the next still runs."""
+    import threading
+
+    from runtime.collectives.ring import Poster
+
+    poster, seen = Poster(), []
+
+    def step(n: int) -> list:
+        seen.append((n, threading.current_thread() is threading.main_thread()))
+        if n == 1:
+            raise RuntimeError("step 1 failed")
+        return []
+
+    handed = [poster.hand(lambda n=n: step(n)) for n in range(3)]
+    handed[0].wait()
+    with pytest.raises(RuntimeError, match="step 1 failed"):
+        handed[1].wait()
+    handed[2].wait()
+    assert seen == [(0, False), (1, False), (2, False)]

@@ -59,18 +59,18 @@ def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute, y: torch.Tenso
     """The gathered x, with y (sum of the lengths rows, front layout) written chunk by chunk:
     the ring above, own chunk first. Every chunk is received straight into its rows of the
     gathered x (no concatenation afterwards), and the own rows are copied there while step 1
-    is in flight."""
+    is in flight. Every step is posted from the poster thread (ring.post_beside)."""
     g, i = span.size, span.index
     x = x.contiguous()
     full = x.new_empty(sum(span.lengths), *x.shape[1:])
     blocks = [full.narrow(0, span.offset(j), n) for j, n in enumerate(span.lengths)]
-    works = ring.post(x, blocks[(i - 1) % g], span, 1) if g > 1 else []
+    works = [ring.post_beside(x, blocks[(i - 1) % g], span, 1)] if g > 1 else []
     compute(i, 0, x, y.narrow(0, span.offset(i), span.lengths[i]))
     blocks[i].copy_(x)
     for s in range(1, g):
         _wait(works)
         j = (i - s) % g
-        works = ring.post(blocks[j], blocks[(j - 1) % g], span, 1) if s < g - 1 else []
+        works = [ring.post_beside(blocks[j], blocks[(j - 1) % g], span, 1)] if s < g - 1 else []
         compute(j, 0, blocks[j], y.narrow(0, span.offset(j), span.lengths[j]))
     return full
 
@@ -84,7 +84,7 @@ def matmul_rs_ring(span: Span, part: Part) -> torch.Tensor:
     received = acc.new_empty(max(span.lengths), *acc.shape[1:]) if g > 1 else acc
     for s in range(1, g):
         buf = received.narrow(0, 0, span.lengths[order[s]])
-        works = ring.post(acc, buf, span, -1)
+        works = [ring.post_beside(acc, buf, span, -1)]
         z = part(order[s])
         _wait(works)
         acc = z.add_(buf).contiguous()

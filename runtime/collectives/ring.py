@@ -1,10 +1,20 @@
 """One step of a ring over a group's members: send to the next member, receive from the
 previous one. The ring all-gather and reduce-scatter are g-1 such steps, and the fused
-collective-matmuls (runtime.collectives.fused) post theirs here too."""
+collective-matmuls (runtime.collectives.fused) post theirs here too.
+
+`post_beside` posts a step from a thread of its own (one per process, `Poster`) and returns at
+once: gloo writes the first part of a send, what the socket takes, on the posting thread, so
+posted from the main thread that copy runs before the matmul it should hide under (inside an
+emulated node, loopback: all of the transfer's CPU; on a GPU the copy engine's). The fused
+collective-matmuls post this way; a caller waits the step (`Posted.wait`) before it posts
+anything else on the group, so steps keep their order.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import queue
+import threading
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,3 +49,56 @@ def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, d
     exactly once); `direction` -1 runs the ring the other way round."""
     for work in post(send, recv, span, direction):
         work.wait()
+
+
+class Posted:
+    """A step handed to the poster: wait() waits until it is posted, then each work once."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._works: list[Any] = []
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        for work in self._works:
+            work.wait()
+
+    def _run(self, fn: Callable[[], list[Any]]) -> None:
+        try:
+            self._works = fn()
+        except BaseException as err:  # handed to the waiting thread
+            self._error = err
+        self._ready.set()
+
+
+class Poster:
+    """One thread that posts the steps handed to it, in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="hetsynth-ring-poster", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, posted = self._queue.get()
+            posted._run(fn)
+
+    def hand(self, fn: Callable[[], list[Any]]) -> Posted:
+        posted = Posted()
+        self._queue.put((fn, posted))
+        return posted
+
+
+_POSTER: list[Poster] = []
+_POSTER_LOCK = threading.Lock()
+
+
+def post_beside(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int = 1) -> Posted:
+    """post(), from the poster thread (module docstring); wait the result exactly once."""
+    with _POSTER_LOCK:
+        if not _POSTER:
+            _POSTER.append(Poster())
+    return _POSTER[0].hand(lambda: post(send, recv, span, direction))
