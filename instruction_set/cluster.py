@@ -81,6 +81,13 @@ class DeviceKind(_Frozen):
                     "unset: transfer_cpu_us_per_message")
     measured: bool = False
 
+    def p2p_cpu(self) -> tuple[float, float]:
+        """(gamma, us per message) of a point-to-point transfer on this kind: the profile's
+        point-to-point fit, else (no such measurement) its all-reduces'."""
+        if self.p2p_cpu_share is None or self.p2p_cpu_us_per_message is None:
+            return self.transfer_cpu_share, self.transfer_cpu_us_per_message
+        return self.p2p_cpu_share, self.p2p_cpu_us_per_message
+
 
 class Device(_Frozen):
     name: str = Field(min_length=1)

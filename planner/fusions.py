@@ -132,7 +132,9 @@ def pair_instructions(pb: Problem, ins: Instruction) -> list[Instruction]:
 
 def _ring(pb: Problem, ins: Instruction, tensor: str, split: Layout, whole: Layout, matmul_s: Sequence[float]) -> Ring:
     """The ring of one fused instruction: `tensor` split by `split` along the axis (the chunks),
-    held whole by every member in `whole` (its rows' bytes)."""
+    held whole by every member in `whole` (its rows' bytes). The transfer CPU (gamma, m) is the
+    point-to-point one (DeviceKind.p2p_cpu) for the ring, whose steps are isend/irecv, and the
+    collectives' for k-slicing, whose slices are padded collectives."""
     dim = split.axis(ins.axis).dim
     lengths = pb.lengths.rank_lengths(tensor, split)[dim]
     groups = [tuple(pb.mesh.members(ins.axis, r)) for r in pb.devices.reps]
@@ -140,9 +142,10 @@ def _ring(pb: Problem, ins: Instruction, tensor: str, split: Layout, whole: Layo
     held = pb.shares(tensor, whole)
     nbytes = float(pb.meta(tensor).nbytes)
     alpha, beta = pb.comm.alpha_beta("all_gather", "ring", ins.axis)
+    cpus = [k.p2p_cpu() if ins.variant == "ring" else (k.transfer_cpu_share, k.transfer_cpu_us_per_message)
+            for k in pb.kinds]
     return Ring(member=tuple(g.index(r) for g, r in zip(groups, pb.devices.reps)), matmul_s=tuple(matmul_s),
-                gamma=tuple(k.transfer_cpu_share for k in pb.kinds),
-                per_message_s=tuple(k.transfer_cpu_us_per_message * 1e-6 for k in pb.kinds),
+                gamma=tuple(cpu[0] for cpu in cpus), per_message_s=tuple(cpu[1] * 1e-6 for cpu in cpus),
                 membw=tuple(k.memory_bandwidth_gbyte_s * 1e9 for k in pb.kinds), lengths=group_lengths,
                 row_bytes=tuple(nbytes * h / max(sum(gl), 1) for h, gl in zip(held, group_lengths)),
                 alpha=alpha, beta=beta)

@@ -42,7 +42,7 @@ from typing import Hashable, Sequence
 from cost_models.comm import CommModel
 from cost_models.schedule import StageTimes
 from cost_models.terms import seconds
-from instruction_set.cluster import ClusterSpec, DeviceKind
+from instruction_set.cluster import ClusterSpec
 from instruction_set.pipeline import Boundary, PipelineStage
 from instruction_set.plan import Plan
 from planner.problem import Problem, plan_problem
@@ -130,17 +130,11 @@ def transfer_cpu_s(stage: PipelineStage, boundary: Boundary, b: int, transfer_s:
     for r, n in slices.items():
         kind = plan.cluster.device_kinds[plan.cluster.devices[r - stage.first_rank].kind]
         if n:
-            share, per_message = p2p_cpu(kind)
+            share, per_message = kind.p2p_cpu()
             costs.append(share * transfer_s + per_message * 1e-6 * n)
     return max(costs, default=0.0)
 
 
-def p2p_cpu(kind: DeviceKind) -> tuple[float, float]:
-    """(gamma, us per message) of a point-to-point transfer on this kind: the profile's
-    point-to-point fit, else (no such measurement) its all-reduces'."""
-    if kind.p2p_cpu_share is None or kind.p2p_cpu_us_per_message is None:
-        return kind.transfer_cpu_share, kind.transfer_cpu_us_per_message
-    return kind.p2p_cpu_share, kind.p2p_cpu_us_per_message
 
 
 def boundary_cpus(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],

@@ -110,8 +110,7 @@ def test_measured_spec_records_the_transfer_cpu_share() -> None:
 
 def test_measured_spec_records_point_to_point_apart_from_all_reduces() -> None:
     """The point-to-point rows (profiling.overlap.p2p_cpu_rows) get their own fit; without them
-    the kind has none and a boundary transfer falls back to the all-reduces' (stage_times.p2p_cpu)."""
-    from planner.stage_times import p2p_cpu
+    the kind has none and a boundary transfer falls back to the all-reduces' (DeviceKind.p2p_cpu)."""
     from profiling.overlap import partners
 
     cluster = load_cluster(CLUSTER)
@@ -123,10 +122,10 @@ def test_measured_spec_records_point_to_point_apart_from_all_reduces() -> None:
     compute = [base | {"p2p_cpu_rows": rows(0.1, 1e-3)} for _ in cluster.devices]
     kind = measured_spec(cluster, compute, {}).device_kinds[cluster.devices[0].kind]
     assert (kind.p2p_cpu_share, kind.p2p_cpu_us_per_message) == pytest.approx((0.1, 1000.0))
-    assert p2p_cpu(kind) == pytest.approx((0.1, 1000.0))
+    assert kind.p2p_cpu() == pytest.approx((0.1, 1000.0))
     bare = measured_spec(cluster, [base | {"p2p_cpu_rows": []} for _ in cluster.devices], {})
     kind = bare.device_kinds[cluster.devices[0].kind]
-    assert kind.p2p_cpu_share is None and p2p_cpu(kind) == pytest.approx((0.5, 4000.0))
+    assert kind.p2p_cpu_share is None and kind.p2p_cpu() == pytest.approx((0.5, 4000.0))
     assert [partners([0, 0, 1, 1], r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
     assert [partners([0, 1, 2], r) for r in range(3)] == [(1, 2), (2, 0), (0, 1)]
     assert partners([0, 0, 1], 1) is None and partners([0, 0], 0) is None
