@@ -69,7 +69,7 @@ def test_slow_link_spec_loads_with_its_emulation():
     assert [len(n.devices) for n in spec.nodes] == [2, 2]
     assert spec.links.inter_node_bandwidth_gbps == 0.05 < LOCAL.links.inter_node_bandwidth_gbps
     assert spec.emulation is not None and sum(spec.emulation.cpu_quota[d.kind] for d in spec.devices) == 1.5
-    assert spec.emulation.burst_kib == 16 and LOCAL.emulation is not None and LOCAL.emulation.burst_kib == 256
+    assert spec.emulation.burst_kib == 16 and LOCAL.emulation is not None and LOCAL.emulation.burst_kib == 32
 
 
 def test_every_recosting_of_a_one_level_plan_keeps_its_one_level_mesh(monkeypatch):
