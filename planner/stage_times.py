@@ -135,8 +135,6 @@ def transfer_cpu_s(stage: PipelineStage, boundary: Boundary, b: int, transfer_s:
     return max(costs, default=0.0)
 
 
-
-
 def boundary_cpus(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary],
                   sizes: Sequence[int]) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
     """Per boundary, (X_src(m), X_dst(m)) per micro-batch: what its transfer of micro-batch m

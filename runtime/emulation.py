@@ -15,8 +15,9 @@ From a cluster spec with an `emulation` section:
   its group and pins itself to one CPU (the CPUs are assigned so that the quotas on each add
   up evenly), with one torch thread;
 - with `comm_engine = "separate"` (the default) every device also has a communication group
-  `/sys/fs/cgroup/cpu/<run>/c<rank>`, without a quota, on any CPU, and `cpu.shares` 2 against the
-  device groups' 1024 (it runs on what the quotas leave idle): the worker's threads other than
+  `/sys/fs/cgroup/cpu/<run>/c<rank>`, without a quota, on any CPU, and `cpu.shares` 8192 against
+  the device groups' 1024 (a woken transfer thread runs at once, as a NIC would; it uses little
+  CPU, taken mostly from what the quotas leave idle): the worker's threads other than
   its main one (gloo's transport and collective threads, which copy, sum and send the bytes;
   the heartbeat) move there as they appear (`CommEngine`, a thread that looks every 50 ms).
   Why: in one quota, a collective's threads are throttled with the compute once the period's
@@ -45,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -282,31 +284,27 @@ class CommEngine:
         self.main = threading.main_thread().native_id
         self.moved: set[int] = set()
         self.cpus = set(range(os.cpu_count() or 1))
-        self._stop = threading.Event()
 
     def start(self) -> "CommEngine":
         threading.Thread(target=self._run, name="hetsynth-comm-engine", daemon=True).start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def move_new(self) -> list[int]:
-        """Move the threads not moved yet; returns their ids."""
+    def move_new(self) -> None:
+        """Move the threads not moved yet."""
         new = [int(t) for t in os.listdir("/proc/self/task") if int(t) != self.main and int(t) not in self.moved]
         for tid in new:
             try:
                 (self.group / "tasks").write_text(str(tid))
                 os.sched_setaffinity(tid, self.cpus)
-            except (ProcessLookupError, OSError) as err:
+            except OSError as err:  # ProcessLookupError included
                 if Path(f"/proc/self/task/{tid}").exists():  # gone meanwhile: nothing to move
                     raise EmulationError(f"moving thread {tid} to {self.group}: {err}") from err
             self.moved.add(tid)
-        return new
 
     def _run(self) -> None:
-        while not self._stop.wait(0 if not self.moved else self.interval_s):
+        while True:
             self.move_new()
+            time.sleep(self.interval_s)
 
 
 def leftovers() -> dict[str, list[str]]:
