@@ -120,13 +120,18 @@ class Emulation(_Frozen):
     cpu_quota: dict[str, float] = Field(description="CPU share per device kind, e.g. 0.5")
     period_us: int = Field(default=10_000, ge=1000, le=1_000_000)
     shape_links: bool = True
-    burst_kib: int = Field(default=256, ge=2, le=65536, description="the tbf bucket of every shaped link: a "
+    burst_kib: int = Field(default=256, ge=2, le=65536, description="the token bucket of every shaped link: a "
                            "message of up to this size leaves at once when the link has been idle, so keep it "
                            "well under the messages timed on slow links")
     comm_engine: Literal["separate", "shared"] = Field(
         default="separate", description="separate: a worker's threads other than its main one (gloo's "
         "transport and collective threads, which move the bytes) run outside the device's CPU quota, as a "
         "GPU's NIC and copy engines work beside its SMs; shared: they spend the device's quota")
+    link_queue: Literal["priority", "tbf"] = Field(
+        default="priority", description="priority: every shaped link end is an htb class at the link's rate "
+        "whose small packets (TCP acknowledgements) leave before the queued data and whose queues do not drop "
+        "(as a full-duplex NIC: one direction's data does not hold back the other's acknowledgements); tbf: "
+        "one tbf FIFO of 20 ms, which drops what does not fit")
 
     @model_validator(mode="after")
     def _quotas_positive(self) -> "Emulation":
