@@ -9,6 +9,8 @@ kinds and links):
   inside  one node, 2 cpu-fast workers (0.5 CPU each), loopback
   across  two nodes of one cpu-fast worker each, 200 Mbit/s shaped link
 The exposed communication fraction of a variant is (variant - matmul) / (unfused - matmul).
+A case is one "where t_p <= t_c" when the ring's worst step is (`measured_ratio`: measured, per
+step, so skewed shards count the step that moves the long chunk beside the short one's matmul).
 `--pilot` runs a few cases per environment and only prints.
 
 End to end (`--e2e-only`, `--e2e-model`, `--e2e-env`, `--e2e-rounds`): the planner's own plan of
@@ -117,11 +119,13 @@ class Model:
         return self.comm.cost(kind, "padded", nbytes / parts, "all", shares).at(shares)
 
     def step_ratio(self, case: dict) -> float:
-        """The cost model's t_p / t_c of one ring step (the per-row ratio: the rows cancel):
-        bytes of a row over the link's bandwidth against the row's matmul at the throughput."""
+        """The cost model's t_p / t_c of the ring's worst step: the per-row ratio (bytes of a row
+        over the link's bandwidth against the row's matmul at the throughput) times the
+        shards' neighbour imbalance (`imbalance`)."""
         _, beta = self.comm.alpha_beta("all_gather", "ring", "all")
         row = 4.0 * (case["hidden"] if case["kind"] == "ag_matmul" else case["out"])
-        return (row / beta) / (2.0 * case["hidden"] * case["out"] / self.kind.throughput_flops)
+        per_row = (row / beta) / (2.0 * case["hidden"] * case["out"] / self.kind.throughput_flops)
+        return per_row * imbalance(case["lengths"])
 
     def predict(self, case: dict) -> dict[str, float]:
         from cost_models.fused import ring_cost, sliced_cost
@@ -177,11 +181,28 @@ def exposed(r: dict, variant: str) -> float:
 VARIANTS = ("unfused", "sliced2", "sliced4", "fused")
 
 
+def imbalance(lengths: list[int]) -> float:
+    """The largest ratio of two ring neighbours' chunks, L_j / L_{j+-1} (cyclic): a ring step moves
+    one chunk while the matmul of its neighbour's runs, so with uneven shards the step that
+    moves the longest chunk beside the shortest has t_p / t_c this many times the per-row
+    ratio (2 for 2:1 shards; infinite beside a zero-length chunk)."""
+    n = len(lengths)
+    pairs = [(lengths[j], lengths[(j + d) % n]) for j in range(n) for d in (1, -1)]
+    return max((a / b if b else float("inf")) for a, b in pairs if a)
+
+
+def measured_row_ratio(r: dict) -> float:
+    """The measured per-row t_p / t_c: the unfused pair's communication per row moved (a padded
+    ring step moves max(L) rows, P - 1 of them) over the matmul per row."""
+    lengths = r["lengths"]
+    per_row_p = (r["unfused_s"] - r["matmul_s"]) / ((len(lengths) - 1) * max(lengths))
+    return per_row_p / (r["matmul_s"] / sum(lengths))
+
+
 def measured_ratio(r: dict) -> float:
-    """The measured per-step t_p / t_c: the unfused pair's communication per ring step,
-    (unfused - matmul) / (P - 1), over a chunk's matmul, matmul / P."""
-    p = len(r["lengths"])
-    return ((r["unfused_s"] - r["matmul_s"]) / (p - 1)) / (r["matmul_s"] / p)
+    """The measured t_p / t_c of the ring's worst step (the issue's "where t_p <= t_c" is per
+    step): the per-row ratio times the shards' neighbour imbalance."""
+    return measured_row_ratio(r) * imbalance(r["lengths"])
 
 
 def analyse(r: dict, predicted: dict[str, float]) -> tuple[dict, list]:
@@ -194,7 +215,8 @@ def analyse(r: dict, predicted: dict[str, float]) -> tuple[dict, list]:
     record = {"name": r["name"], "kind": r["kind"], "matmul_s": r["matmul_s"], "unfused_s": r["unfused_s"],
               "sliced_s": {"2": r["sliced2_s"], "4": r["sliced4_s"]}, "fused_s": r["fused_s"],
               "predicted_fused_s": predicted["fused"], "picked": picked,
-              "model_step_ratio": r.get("model_ratio"), "measured_step_ratio": ratio}
+              "model_step_ratio": r.get("model_ratio"), "measured_step_ratio": ratio,
+              "measured_row_ratio": measured_row_ratio(r)}
     model_ratio = f"{r['model_ratio']:.2f}" if "model_ratio" in r else ""
     row = [r["name"], *(f"{r[v + '_s'] * 1e3:.1f}" for v in ("matmul", *VARIANTS)),
            f"{predicted['fused'] * 1e3:.1f}", *(f"{exposed(r, v):.2f}" for v in ("sliced2", "sliced4", "fused")),

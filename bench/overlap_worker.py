@@ -1,7 +1,11 @@
 """Worker of bench/overlap.py (run by torchrun on an emulated cluster): time the matmul alone,
 the unfused pair, k-slicing (k = 2, 4) and the fused ring of every case, interleaved; each
 repetition's time is the slowest rank's. The matmul alone is chunked as the fused ring and
-writes into one output as it does (x W^T chunk by chunk into views of y). Rank 0 writes the records (medians) as JSON.
+writes into one output as it does (x W^T chunk by chunk into views of y), and the unfused pair
+runs the same chunks after (before) its collective: the pair's time less the matmul alone's is
+then its communication, not also the difference between one GEMM and P chunks (on this machine,
+one thread, one GEMM of all rows took 0.98-1.11x the time of two chunks over six case shapes:
+up to a third of the smaller cases' communication). Rank 0 writes the records (medians) as JSON.
 
 A case (JSON): {"name", "kind": "ag_matmul" | "matmul_rs", "lengths": [rows per member],
 "hidden", "out"}. ag_matmul: x (sum lengths, hidden) split by rows, W (out, hidden),
@@ -68,9 +72,15 @@ def ag_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
             compute(j, 0, full.narrow(0, offsets[j], n), out.narrow(0, offsets[j], n))
         return out
 
-    gather, gemm = traced("collective", gather_padded), traced("gemm", lambda a: a @ w.t())
+    def after(gathered: torch.Tensor) -> torch.Tensor:
+        out = y()
+        for j, n in enumerate(lengths):
+            compute(j, 0, gathered.narrow(0, offsets[j], n), out.narrow(0, offsets[j], n))
+        return out
+
+    gather = traced("collective", gather_padded)
     return {"matmul": alone,
-            "unfused": lambda: gemm(gather(x, span)),
+            "unfused": lambda: after(gather(x, span)),
             "sliced2": lambda: ag_matmul_sliced(x, span, compute, 2, y()),
             "sliced4": lambda: ag_matmul_sliced(x, span, compute, 4, y()),
             "fused": lambda: ag_matmul_ring(x, span, compute, y())}
@@ -90,9 +100,12 @@ def rs_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
     def part_rows(j: int, start: int, rows: int) -> torch.Tensor:
         return x.narrow(0, offsets[j] + start, rows) @ w.t()
 
-    scatter, gemm = traced("collective", scatter_padded), traced("gemm", lambda a: a @ w.t())
+    def whole() -> torch.Tensor:
+        return torch.cat([part(j) for j in range(span.size)])
+
+    scatter = traced("collective", scatter_padded)
     return {"matmul": lambda: [part(j) for j in range(span.size)],
-            "unfused": lambda: scatter(gemm(x), span),
+            "unfused": lambda: scatter(whole(), span),
             "sliced2": lambda: matmul_rs_sliced(span, part_rows, 2),
             "sliced4": lambda: matmul_rs_sliced(span, part_rows, 4),
             "fused": lambda: matmul_rs_ring(span, part)}
