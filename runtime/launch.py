@@ -2,10 +2,12 @@
 
 - A single-node cluster runs here: `torchrun --standalone` with one process per device (gloo
   on CPU, NCCL on GPUs).
-- A cluster with an `emulation` section runs here on the emulated cluster
+- A cluster with an `emulation` section, one node or more, runs here on the emulated cluster
   (runtime.emulation): one torchrun per node, each inside its node's network namespace, with
   static rendezvous at node 0's address; each worker joins its device's cgroup. Without
-  root, plain local processes run instead (correctness only) and a note says so.
+  root, plain local processes run instead (correctness only) and a note says so. (Until stop
+  31 a one-node emulated cluster ran as plain local processes without a word: its devices
+  computed at a whole CPU each, not at their quotas.)
 - Any other multi-node cluster: the torchrun command for each node is printed.
 
 Every node's torchrun runs as an agent (runtime.agent: torchrun that dies with the launcher,
@@ -180,14 +182,15 @@ def launch_in(record: RunRecord, workdir: Path, cluster: ClusterSpec, module_arg
     status.mkdir()
     env = os.environ | BASE_ENV | {heartbeat.ENV: str(status)}
     torchrun = ["--monitor-interval=0.5", *module_args]
-    if cluster.emulation is not None and len(cluster.nodes) > 1:
+    if cluster.emulation is not None:
         reason = emulation.unavailable()
         if reason is None:
             with emulation.Emulation(cluster, record=record) as emu:
                 env |= {"GLOO_SOCKET_IFNAME": emulation.IFACE, emulation.ENV: emu.rank_env()}
                 agents = [_start(record, workdir, i, emu.in_node(i, _agent(workdir, i, [
                     f"--nnodes={len(cluster.nodes)}", f"--node-rank={i}", f"--nproc-per-node={len(node.devices)}",
-                    f"--master-addr={emu.address(0)}", "--master-port=29500", *torchrun], hold_store=i == 0)), env)
+                    f"--master-addr={emu.address(0)}", "--master-port=29500", *torchrun],
+                    hold_store=i == 0 and len(cluster.nodes) > 1)), env)
                     for i, node in enumerate(cluster.nodes)]
                 return supervise(record, agents, workdir, cluster.num_devices, timeout_s)
         log.warning("note: not emulating %r (%s); running unshaped local processes (correct results, no "

@@ -217,6 +217,35 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
             assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)
 
 
+CGROUP_PROBE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from runtime.emulation import join_device
+join_device()
+cpu = [f[2] for f in (line.strip().split(":", 2) for line in open("/proc/self/cgroup")) if "cpu" in f[1].split(",")][0]
+open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w").write(cpu + " " + str(sorted(os.sched_getaffinity(0))))
+"""
+
+
+@needs_root
+def test_a_one_node_emulated_cluster_is_emulated(tmp_path: Path) -> None:
+    """A cluster of one node with an `emulation` section runs its workers in their devices'
+    cgroups, each on one CPU (it ran them as plain processes at a whole CPU each before)."""
+    from runtime.launch import launch
+
+    raw = SPEC.model_dump(mode="json")
+    raw["devices"] = [{"name": "n/0", "kind": "cpu-fast"}, {"name": "n/1", "kind": "cpu-fast"}]
+    raw["nodes"] = [{"name": "n", "devices": ["n/0", "n/1"]}]
+    script = tmp_path / "probe.py"
+    script.write_text(CGROUP_PROBE)
+    rc, failure = launch(cluster_from_dict(raw), [str(script), str(ROOT), str(tmp_path)], timeout_s=120)
+    assert rc == 0, failure
+    seen = [(tmp_path / f"rank{r}").read_text().split(" ", 1) for r in (0, 1)]
+    assert [group.rsplit("/", 1)[-1] for group, _ in seen] == ["r0", "r1"], seen
+    assert all(len(eval(cpus)) == 1 for _, cpus in seen), seen
+    assert leftovers() == NOTHING
+
+
 HOLD = """
 import time
 from instruction_set.cluster import load_cluster

@@ -1,5 +1,5 @@
 """A pipeline plan under the CLI: `hetsynth run --check` matches single-device training in
-float64 and its `--save` checkpoint resumes under an SPMD plan, a killed rank of the second stage stops the run with that rank named, `hetsynth explain
+float64 and its `--save` checkpoint resumes under an SPMD plan, a killed rank of either stage stops the run with that rank named, `hetsynth explain
 --rank` shows the stage and its action list; and on the shipped local-emulated cluster, where
 SPMD is predicted faster, `plan_stages` keeps the SPMD shape. Two ranks on one node, no
 emulation (torchrun on this machine)."""
@@ -59,10 +59,13 @@ def test_run_check_matches_single_device_and_resumes_under_spmd(plan_path: str) 
 
 
 @pytest.mark.timeout(200)
-def test_dead_rank_in_a_stage_is_named(plan_path: str) -> None:
-    out = hetsynth("run", plan_path, "--steps", "5", "--timeout", "10", env={"HETSYNTH_FAULT": "1:1:kill"})
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dead_rank_in_a_stage_is_named(plan_path: str, rank: int) -> None:
+    """A rank killed in either stage (rank 0: the first, which sends; rank 1: the last, which
+    computes the loss) stops the whole run, the dead rank named."""
+    out = hetsynth("run", plan_path, "--steps", "5", "--timeout", "10", env={"HETSYNTH_FAULT": f"{rank}:1:kill"})
     assert out.returncode != 0
-    assert "hetsynth run: rank 1 failed: killed by SIGKILL" in out.stderr, out.stderr[-3000:]
+    assert f"hetsynth run: rank {rank} failed: killed by SIGKILL" in out.stderr, out.stderr[-3000:]
 
 
 def test_explain_shows_the_stage_and_its_actions(plan_path: str) -> None:
