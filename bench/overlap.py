@@ -346,7 +346,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pilot", action="store_true", help="a few cases per environment; prints only")
     parser.add_argument("--envs", nargs="+", default=["inside", "across"])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=15, help="repetitions of every variant of every case "
+                        "(medians; at 7 a case's exposed fraction moved by 0.1-0.3 between runs)")
     parser.add_argument("--only", nargs="+", help="only the cases whose name contains one of these; prints only")
     parser.add_argument("--trace", type=Path, help="also trace one more call of every variant (every rank's "
                         "matmul intervals) and write the raw records there; prints only, like --pilot")
