@@ -66,21 +66,17 @@ def ag_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
     def y() -> torch.Tensor:
         return x.new_empty(sum(lengths), case["out"])
 
-    def alone() -> torch.Tensor:
+    def chunked(rows: torch.Tensor) -> torch.Tensor:
+        """y = rows W^T chunk by chunk (the matmul alone on `full`, the unfused pair's after its
+        gather)."""
         out = y()
         for j, n in enumerate(lengths):
-            compute(j, 0, full.narrow(0, offsets[j], n), out.narrow(0, offsets[j], n))
-        return out
-
-    def after(gathered: torch.Tensor) -> torch.Tensor:
-        out = y()
-        for j, n in enumerate(lengths):
-            compute(j, 0, gathered.narrow(0, offsets[j], n), out.narrow(0, offsets[j], n))
+            compute(j, 0, rows.narrow(0, offsets[j], n), out.narrow(0, offsets[j], n))
         return out
 
     gather = traced("collective", gather_padded)
-    return {"matmul": alone,
-            "unfused": lambda: after(gather(x, span)),
+    return {"matmul": lambda: chunked(full),
+            "unfused": lambda: chunked(gather(x, span)),
             "sliced2": lambda: ag_matmul_sliced(x, span, compute, 2, y()),
             "sliced4": lambda: ag_matmul_sliced(x, span, compute, 4, y()),
             "fused": lambda: ag_matmul_ring(x, span, compute, y())}
@@ -100,12 +96,12 @@ def rs_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
     def part_rows(j: int, start: int, rows: int) -> torch.Tensor:
         return x.narrow(0, offsets[j] + start, rows) @ w.t()
 
-    def whole() -> torch.Tensor:
-        return torch.cat([part(j) for j in range(span.size)])
+    def parts() -> list[torch.Tensor]:
+        return [part(j) for j in range(span.size)]
 
     scatter = traced("collective", scatter_padded)
-    return {"matmul": lambda: [part(j) for j in range(span.size)],
-            "unfused": lambda: scatter(whole(), span),
+    return {"matmul": parts,
+            "unfused": lambda: scatter(torch.cat(parts()), span),
             "sliced2": lambda: matmul_rs_sliced(span, part_rows, 2),
             "sliced4": lambda: matmul_rs_sliced(span, part_rows, 4),
             "fused": lambda: matmul_rs_ring(span, part)}

@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from instruction_set.cluster import ClusterSpec
+from instruction_set.cluster import ClusterSpec, Emulation as EmulationSpec
 from runtime.runstate import RunRecord, recorded, remove, remove_cgroup, remove_namespace
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
@@ -87,7 +87,7 @@ def unavailable() -> str | None:
 ACK_BYTES = 128   # IP packets shorter than this (TCP acknowledgements, no payload) go first
 
 
-def shaper(emulation, mbit: float, dev: str) -> list[tuple[str, ...]]:
+def shaper(emulation: EmulationSpec, mbit: float, dev: str) -> list[tuple[str, ...]]:
     """The tc commands that shape one end of a link to `mbit` (module docstring: `link_queue`).
 
     priority: htb root; class 1:1 at the rate with the spec's bucket; under it 1:10 (IP packets

@@ -4,6 +4,7 @@ the reason where this machine cannot emulate (not root, no cgroup v1 cpu control
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import subprocess
@@ -183,7 +184,6 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     """hetsynth's plan, DP-EV and torch DDP of GPT tiny train interleaved on the emulated
     cluster (runtime.compare, as `make demo` does); all match single-device losses and no
     namespace or cgroup survives the run."""
-    import json
 
     from hetsynth import capture_model
     from instruction_set.models import parse_model_ref
@@ -218,12 +218,13 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
 
 
 CGROUP_PROBE = """
-import os, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from runtime.emulation import join_device
 join_device()
 cpu = [f[2] for f in (line.strip().split(":", 2) for line in open("/proc/self/cgroup")) if "cpu" in f[1].split(",")][0]
-open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w").write(cpu + " " + str(sorted(os.sched_getaffinity(0))))
+with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w") as out:
+    json.dump([cpu, sorted(os.sched_getaffinity(0))], out)
 """
 
 
@@ -240,9 +241,9 @@ def test_a_one_node_emulated_cluster_is_emulated(tmp_path: Path) -> None:
     script.write_text(CGROUP_PROBE)
     rc, failure = launch(cluster_from_dict(raw), [str(script), str(ROOT), str(tmp_path)], timeout_s=120)
     assert rc == 0, failure
-    seen = [(tmp_path / f"rank{r}").read_text().split(" ", 1) for r in (0, 1)]
+    seen = [json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
     assert [group.rsplit("/", 1)[-1] for group, _ in seen] == ["r0", "r1"], seen
-    assert all(len(eval(cpus)) == 1 for _, cpus in seen), seen
+    assert all(len(cpus) == 1 for _, cpus in seen), seen
     assert leftovers() == NOTHING
 
 
