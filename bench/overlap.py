@@ -153,6 +153,9 @@ class Model:
 #           274 ms), t_p of 2 MiB ~ 85 ms; rs: out 1024, hidden H
 REGIMES = {"inside": (TOKENS, 2048, (1024, 512, 128, 32)), "across": (TOKENS // 2, 1024, (12288, 8192, 4096, 1024))}
 
+# repetitions by environment: across, a case's communication is 15-25% of its matmul where
+# t_p < t_c, and the matmul's time moves by 5-25% for seconds at a time (exposure_interval)
+REPS = {"inside": 15, "across": 25}
 
 SHORT = {"ag_matmul": "ag", "matmul_rs": "rs"}
 
@@ -199,6 +202,30 @@ def measured_row_ratio(r: dict) -> float:
     return per_row_p / (r["matmul_s"] / sum(lengths))
 
 
+def exposure_interval(samples: dict[str, list[float]], variant: str = "fused", draws: int = 2000,
+                      level: float = 0.90) -> tuple[float, float]:
+    """How well one run determines a variant's exposed fraction: a `level` interval of
+    (med v - med matmul) / (med unfused - med matmul) over bootstrap resamples of whole
+    repetitions (each repetition's variants ran back to back, so a resample keeps them
+    together; fixed seed). On this machine a one-thread matmul's time moves by 5-25% for
+    seconds at a time (the host: the same matmul took 311-357 ms of CPU time in one run), so
+    a case whose communication is small against its matmul has an interval wider than 0.15
+    whatever the ring does."""
+    import random
+
+    reps = len(samples["matmul"])
+    rng = random.Random(0)
+    values = []
+    for _ in range(draws):
+        pick = [rng.randrange(reps) for _ in range(reps)]
+        med = {v: statistics.median(samples[v][k] for k in pick) for v in ("matmul", "unfused", variant)}
+        comm = med["unfused"] - med["matmul"]
+        values.append((med[variant] - med["matmul"]) / comm if comm > 0 else float("inf"))
+    values.sort()
+    tail = (1.0 - level) / 2.0
+    return values[int(tail * (draws - 1))], values[int((1.0 - tail) * (draws - 1))]
+
+
 def measured_ratio(r: dict) -> float:
     """The measured t_p / t_c of the ring's worst step (the issue's "where t_p <= t_c" is per
     step): the per-row ratio times the shards' neighbour imbalance."""
@@ -212,20 +239,22 @@ def analyse(r: dict, predicted: dict[str, float]) -> tuple[dict, list]:
     fastest = min(VARIANTS, key=lambda v: r[f"{v}_s"])
     ok = r[f"{picked}_s"] <= 1.10 * r[f"{fastest}_s"]
     ratio = measured_ratio(r)
+    interval = exposure_interval(r["samples"])
     record = {"name": r["name"], "kind": r["kind"], "matmul_s": r["matmul_s"], "unfused_s": r["unfused_s"],
               "sliced_s": {"2": r["sliced2_s"], "4": r["sliced4_s"]}, "fused_s": r["fused_s"],
               "predicted_fused_s": predicted["fused"], "picked": picked,
               "model_step_ratio": r.get("model_ratio"), "measured_step_ratio": ratio,
-              "measured_row_ratio": measured_row_ratio(r)}
+              "measured_row_ratio": measured_row_ratio(r), "fused_exposed_90": list(interval),
+              "samples_s": r["samples"]}
     model_ratio = f"{r['model_ratio']:.2f}" if "model_ratio" in r else ""
     row = [r["name"], *(f"{r[v + '_s'] * 1e3:.1f}" for v in ("matmul", *VARIANTS)),
            f"{predicted['fused'] * 1e3:.1f}", *(f"{exposed(r, v):.2f}" for v in ("sliced2", "sliced4", "fused")),
-           model_ratio, f"{ratio:.2f}", picked, fastest, "yes" if ok else "NO"]
+           f"{interval[0]:.2f}..{interval[1]:.2f}", model_ratio, f"{ratio:.2f}", picked, fastest, "yes" if ok else "NO"]
     return record | {"_ok": ok, "_hidden": 0 < ratio <= 1.0, "_no_comm": ratio <= 0}, row
 
 
 HEADER = ["case", "matmul ms", "unfused ms", "sliced2 ms", "sliced4 ms", "fused ms", "pred fused ms",
-          "exp s2", "exp s4", "exp fused", "t_p/t_c model", "t_p/t_c meas", "picked", "fastest", "ok"]
+          "exp s2", "exp s4", "exp fused", "exp fused 90%", "t_p/t_c model", "t_p/t_c meas", "picked", "fastest", "ok"]
 
 
 def summary(records: list[dict]) -> dict:
@@ -346,8 +375,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pilot", action="store_true", help="a few cases per environment; prints only")
     parser.add_argument("--envs", nargs="+", default=["inside", "across"])
-    parser.add_argument("--reps", type=int, default=15, help="repetitions of every variant of every case "
-                        "(medians; at 7 a case's exposed fraction moved by 0.1-0.3 between runs)")
+    parser.add_argument("--reps", type=int, help="repetitions of every variant of every case (medians); "
+                        f"default by environment {REPS} (at 7 a case's exposed fraction moved by 0.1-0.3 "
+                        "between runs; across, at 15, a large case's by up to 0.27)")
     parser.add_argument("--only", nargs="+", help="only the cases whose name contains one of these; prints only")
     parser.add_argument("--trace", type=Path, help="also trace one more call of every variant (every rank's "
                         "matmul intervals) and write the raw records there; prints only, like --pilot")
@@ -375,7 +405,7 @@ def main() -> None:
             todo = [c for c in todo if not args.only or any(o in c["name"] for o in args.only)]
             if not todo:
                 continue
-            measured = measure(spec, todo, args.reps, Path(tmp), trace=args.trace is not None)
+            measured = measure(spec, todo, args.reps or REPS[env], Path(tmp), trace=args.trace is not None)
             traces += measured
             for r in measured:
                 record, row = analyse(r, model.predict(r))

@@ -130,6 +130,18 @@ def retransmitted() -> int:
     return int(lines[1][lines[0].index("RetransSegs")])
 
 
+def throttled_ms() -> float:
+    """Milliseconds this process's CPU cgroup has been throttled so far (cgroup v1 cpu.stat; 0
+    outside an emulated device's group)."""
+    paths = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    group = next((path for _, controllers, path in paths if "cpu" in controllers.split(",")), None)
+    stat = Path("/sys/fs/cgroup/cpu" + group) / "cpu.stat" if group else None
+    if stat is None or not stat.exists():
+        return 0.0
+    fields = dict(l.split() for l in stat.read_text().splitlines())
+    return int(fields.get("throttled_time", 0)) / 1e6
+
+
 def trace_case(fns: dict[str, Callable[[], object]]) -> dict[str, list]:
     """One more call of every variant, each matmul's (what, start, end) in ms from the call's start,
     the call's end and the TCP segments retransmitted meanwhile in this namespace: where a fused
@@ -138,12 +150,13 @@ def trace_case(fns: dict[str, Callable[[], object]]) -> dict[str, list]:
     for v, fn in fns.items():
         dist.barrier()
         TRACE.clear()
-        lost = retransmitted()
+        lost, cpu, throttled = retransmitted(), time.thread_time(), throttled_ms()
         start = time.perf_counter()
         fn()
         end = time.perf_counter()
         out[v] = [[w, round((a - start) * 1e3, 3), round((b - start) * 1e3, 3)] for w, a, b in TRACE]
         out[v].append(["end", round((end - start) * 1e3, 3), retransmitted() - lost])
+        out[v].append(["main_cpu_ms", round((time.thread_time() - cpu) * 1e3, 3), round(throttled_ms() - throttled, 3)])
     return out
 
 

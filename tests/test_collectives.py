@@ -155,3 +155,16 @@ def test_poster_posts_in_order_and_hands_errors_to_the_waiter() -> None:
         handed[1].wait()
     handed[2].wait()
     assert seen == [(0, False), (1, False), (2, False)]
+
+
+def test_copy_beside_copies_off_the_calling_thread_into_a_no_grad_view() -> None:
+    """ring.copy_beside (the fused all-gather's own rows): the copy lands in a view made under
+    no_grad, as inside an autograd forward, although grad mode is on in the poster thread."""
+    from runtime.collectives.ring import copy_beside
+
+    src = torch.arange(12.0, dtype=torch.float64).reshape(4, 3).requires_grad_()
+    with torch.no_grad():
+        full = torch.zeros(6, 3, dtype=torch.float64)
+        block = full.narrow(0, 1, 4)
+    copy_beside(block, src).wait()
+    assert torch.equal(full[1:5], src.detach()) and full[0].abs().sum() == 0 and full[5].abs().sum() == 0

@@ -58,20 +58,22 @@ def _wait(works: list[Any]) -> None:
 def ag_matmul_ring(x: torch.Tensor, span: Span, compute: Compute, y: torch.Tensor) -> torch.Tensor:
     """The gathered x, with y (sum of the lengths rows, front layout) written chunk by chunk:
     the ring above, own chunk first. Every chunk is received straight into its rows of the
-    gathered x (no concatenation afterwards), and the own rows are copied there while step 1
-    is in flight. Every step is posted from the poster thread (ring.post_beside)."""
+    gathered x (no concatenation afterwards), and the own rows are copied there by the poster
+    thread while the own chunk is multiplied (ring.copy_beside: on a GPU, the copy engine's
+    work). Every step is posted from the poster thread (ring.post_beside)."""
     g, i = span.size, span.index
     x = x.contiguous()
     full = x.new_empty(sum(span.lengths), *x.shape[1:])
     blocks = [full.narrow(0, span.offset(j), n) for j, n in enumerate(span.lengths)]
     works = [ring.post_beside(x, blocks[(i - 1) % g], span, 1)] if g > 1 else []
+    own = ring.copy_beside(blocks[i], x)
     compute(i, 0, x, y.narrow(0, span.offset(i), span.lengths[i]))
-    blocks[i].copy_(x)
     for s in range(1, g):
         _wait(works)
         j = (i - s) % g
         works = [ring.post_beside(blocks[j], blocks[(j - 1) % g], span, 1)] if s < g - 1 else []
         compute(j, 0, blocks[j], y.narrow(0, span.offset(j), span.lengths[j]))
+    own.wait()
     return full
 
 

@@ -96,9 +96,26 @@ _POSTER: list[Poster] = []
 _POSTER_LOCK = threading.Lock()
 
 
-def post_beside(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int = 1) -> Posted:
-    """post(), from the poster thread (module docstring); wait the result exactly once."""
+def beside(fn: Callable[[], list[Any]]) -> Posted:
+    """fn (which returns the works it posted, maybe none) run on the poster thread, after what
+    was handed before it; wait the result exactly once."""
     with _POSTER_LOCK:
         if not _POSTER:
             _POSTER.append(Poster())
-    return _POSTER[0].hand(lambda: post(send, recv, span, direction))
+    return _POSTER[0].hand(fn)
+
+
+def post_beside(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int = 1) -> Posted:
+    """post(), from the poster thread (module docstring); wait the result exactly once."""
+    return beside(lambda: post(send, recv, span, direction))
+
+
+def copy_beside(dst: torch.Tensor, src: torch.Tensor) -> Posted:
+    """dst.copy_(src) on the poster thread, as a GPU's copy engine would run it beside the
+    compute: on the CPU the copy into a freshly allocated buffer is mostly the kernel's page
+    faults and zeroing (3.2 ms of CPU for 8 MiB here, against 0.2 ms into touched memory)."""
+    def run() -> list[Any]:
+        with torch.no_grad():  # grad mode is per thread: the caller's (an autograd forward's) is off
+            dst.copy_(src)
+        return []
+    return beside(run)
