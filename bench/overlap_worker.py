@@ -53,7 +53,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def ag_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
-    lengths, offsets = span.lengths, [span.offset(j) for j in range(span.size)]
+    lengths, offsets = span.lengths, span.offsets
     g = torch.Generator().manual_seed(span.index)
     x = torch.randn(span.my_length, case["hidden"], generator=g)
     w = torch.randn(case["out"], case["hidden"], generator=g)
@@ -83,7 +83,7 @@ def ag_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
 
 
 def rs_variants(span: Span, case: dict) -> dict[str, Callable[[], object]]:
-    lengths, offsets = span.lengths, [span.offset(j) for j in range(span.size)]
+    lengths, offsets = span.lengths, span.offsets
     g = torch.Generator().manual_seed(span.index)
     x = torch.randn(sum(lengths), case["hidden"], generator=g)
     w = torch.randn(case["out"], case["hidden"], generator=g)

@@ -167,6 +167,13 @@ class Implementations(Generic[F]):
 
 GATHER_VARIANTS = ("padded", "grouped", "ring")
 FUSED_VARIANTS = ("ring", "sliced2", "sliced4")  # CommFuse's ring, and k-slicing (one collective per slice)
+
+
+def fused_slices(variant: str) -> int:
+    """The slices k of a fused variant: 0 for the ring, k for "slicedk"."""
+    if variant not in FUSED_VARIANTS:
+        raise ValueError(f"unknown fused variant {variant!r}; valid: {', '.join(FUSED_VARIANTS)}")
+    return 0 if variant == "ring" else int(variant.removeprefix("sliced"))
 _R, _S, _P, _PMAX = PlacementKind.REPLICATE, PlacementKind.SHARD, PlacementKind.PARTIAL, PlacementKind.PARTIAL_MAX
 BOTH = frozenset({Phase.FORWARD, Phase.BACKWARD})
 

@@ -30,7 +30,7 @@ from typing import Sequence
 from cost_models.fused import Ring, form, ring_cost, sliced_cost
 from cost_models.memory import activation_memory
 from cost_models.terms import Cost, Series, Shares, Term, seconds
-from instruction_set.kinds import Category, kind as instruction_kind
+from instruction_set.kinds import Category, fused_slices, kind as instruction_kind
 from instruction_set.layouts import Layout
 from instruction_set.mesh import MeshAxis
 from instruction_set.program import FUSED_MATMULS, Instruction
@@ -168,7 +168,7 @@ def fused_cost(pb: Problem, ins: Instruction) -> tuple[Cost, Cost]:
     rule_out = ins.layout if gather else ins.src
     fwd, bwd = _halves(pb, ins, rule_out)
     tensor, split, whole = (node.inputs[0], ins.src, ins.inputs[0]) if gather else (ins.tensor, ins.layout, ins.src)
-    k = 0 if ins.variant == "ring" else int(ins.variant.removeprefix("sliced"))
+    k = fused_slices(ins.variant)
     if gather:  # backward: dgrad reduce-scattered (half the backward work), then wgrad
         rings = (_ring(pb, ins, tensor, split, whole, fwd), _ring(pb, ins, tensor, split, whole, [b / 2 for b in bwd]))
     else:       # backward: dy gathered under dgrad and wgrad

@@ -28,23 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from instruction_set.kinds import fused_slices
 from instruction_set.program import FUSED_MATMULS
 from runtime.collectives import fused as K
 from runtime.collectives.span import Span, from_front, to_front
 
 
-def _slices(variant: str) -> int:
-    return 0 if variant == "ring" else int(variant.removeprefix("sliced"))
-
-
 def gather_compute(x: torch.Tensor, span: Span, variant: str, compute: K.Compute, y: torch.Tensor) -> torch.Tensor:
     """The gathered x; y written by compute, chunk by chunk."""
-    k = _slices(variant)
+    k = fused_slices(variant)
     return K.ag_matmul_ring(x, span, compute, y) if k == 0 else K.ag_matmul_sliced(x, span, compute, k, y)
 
 
 def compute_scatter(span: Span, variant: str, part_rows: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
-    k = _slices(variant)
+    k = fused_slices(variant)
     if k == 0:
         return K.matmul_rs_ring(span, lambda j: part_rows(j, 0, span.lengths[j]))
     return K.matmul_rs_sliced(span, part_rows, k)
@@ -85,7 +82,7 @@ class AGLinear(torch.autograd.Function):
         span = ctx.span
         dy_f = to_front(dy, span.dim) if dy is not None else full.new_zeros(*full.shape[:-1], w.shape[0])
         other = to_front(dx_other, span.dim) if dx_other is not None else None
-        offsets = [span.offset(j) for j in range(span.size)]
+        offsets = span.offsets
 
         def part_rows(j: int, start: int, n: int) -> torch.Tensor:
             out = dy_f.narrow(0, offsets[j] + start, n) @ w
@@ -102,7 +99,7 @@ class LinearRS(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, span: Span,
                 variant: str) -> torch.Tensor:
         xf = to_front(x, span.dim)
-        offsets = [span.offset(j) for j in range(span.size)]
+        offsets = span.offsets
         y = compute_scatter(span, variant, lambda j, s, n: F.linear(xf.narrow(0, offsets[j] + s, n), w))
         ctx.save_for_backward(xf, w)
         ctx.span, ctx.variant, ctx.bias = span, variant, b is not None
@@ -113,7 +110,7 @@ class LinearRS(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         xf, w = ctx.saved_tensors
         span = ctx.span
-        offsets = [span.offset(j) for j in range(span.size)]
+        offsets = span.offsets
         dw = torch.zeros_like(w)
 
         def compute(j: int, start: int, rows: torch.Tensor, out: torch.Tensor) -> None:

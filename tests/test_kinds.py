@@ -105,3 +105,11 @@ def test_a_plan_with_an_unknown_kind_does_not_load(plan: hetsynth.Plan) -> None:
     raw["instructions"][3]["kind"] = "mm_all_to_all"
     with pytest.raises(PlanError, match="instructions.3.kind.*unknown instruction kind 'mm_all_to_all'.*all_gather"):
         plan_from_json(raw, "plan.json")
+
+
+def test_fused_variants_name_their_slices_and_unknown_ones_fail() -> None:
+    from instruction_set.kinds import FUSED_VARIANTS, fused_slices
+
+    assert [fused_slices(v) for v in FUSED_VARIANTS] == [0, 2, 4]
+    with pytest.raises(ValueError, match="sliced3.*valid: ring, sliced2, sliced4"):
+        fused_slices("sliced3")

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from instruction_set.shards import largest_remainder
 from runtime.collectives import ring
 from runtime.collectives.span import Span, pad_rows
 
@@ -93,14 +94,9 @@ def matmul_rs_ring(span: Span, part: Part) -> torch.Tensor:
     return acc
 
 
-def split_parts(n: int, k: int) -> list[int]:
-    """n rows into k parts by largest remainder (the first n mod k parts one longer)."""
-    return [n // k + (1 if t < n % k else 0) for t in range(k)]
-
-
 def _slices(span: Span, k: int) -> list[list[int]]:
     """parts[j][t]: rows of member j's part t."""
-    return [split_parts(n, k) for n in span.lengths]
+    return [largest_remainder([1.0] * k, n) for n in span.lengths]
 
 
 def ag_matmul_sliced(x: torch.Tensor, span: Span, compute: Compute, k: int, y: torch.Tensor) -> torch.Tensor:

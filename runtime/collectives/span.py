@@ -30,6 +30,11 @@ class Span:
     def offset(self, member: int) -> int:
         return sum(self.lengths[:member])
 
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Every member's first row: offset(j) for j in order."""
+        return tuple(self.offset(j) for j in range(self.size))
+
     def describe(self) -> str:
         return f"dim={self.dim}, lengths={list(self.lengths)}"
 
