@@ -30,6 +30,7 @@ import bisect
 import hashlib
 import itertools
 import json
+import math
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -45,6 +46,7 @@ class ClusterSpecError(ValueError):
 
 
 MAX_DEVICES = 65_536  # the largest cluster a spec may describe (see load_cluster)
+MIN_QUOTA_US = 1000  # the least CFS quota the kernel takes (cpu.cfs_quota_us)
 
 
 class _Frozen(BaseModel):
@@ -138,6 +140,10 @@ class Emulation(_Frozen):
         for kind, quota in self.cpu_quota.items():
             if not 0 < quota <= 64:
                 raise ValueError(f"cpu_quota[{kind!r}] = {quota}: must be in (0, 64] CPUs")
+            if quota * self.period_us < MIN_QUOTA_US:
+                raise ValueError(f"cpu_quota[{kind!r}] = {quota} of period_us = {self.period_us} is "
+                                 f"{quota * self.period_us:.0f} us, below the kernel's least quota of "
+                                 f"{MIN_QUOTA_US} us; use period_us >= {math.ceil(MIN_QUOTA_US / quota)}")
         return self
 
 

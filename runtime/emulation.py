@@ -235,7 +235,7 @@ class Emulation:
             self._create("cgroup", str(group))
             group.mkdir()
             (group / "cpu.cfs_period_us").write_text(str(period))
-            (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(quota * period))))
+            (group / "cpu.cfs_quota_us").write_text(str(round(quota * period)))  # >= 1 ms: Emulation
             comm = self.comm_cgroup(rank)
             if comm is not None:
                 self._create("cgroup", str(comm))

@@ -144,6 +144,9 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
      "cpu_quota has no entry for device kind(s) ['cpu-slow']"),
     ("quota of no kind", lambda t, p: ["inspect", "--cluster", _spec(t, "cpu-slow = 0.25\n", "cpu-slow = 0.25\ngpu = 1\n")],
      "cpu_quota names unknown device kind(s) ['gpu']"),
+    ("quota under 1 ms", lambda t, p: ["inspect", "--cluster", _spec(t, "period_us = 10000", "period_us = 2000")],
+     "cpu_quota['cpu-slow'] = 0.25 of period_us = 2000 is 500 us, below the kernel's least quota of 1000 us; "
+     "use period_us >= 4000"),
     ("inf throughput", lambda t, p: ["inspect", "--cluster", _spec(t, "throughput_flops = 20e9", "throughput_flops = inf")],
      "throughput_flops = inf: Input should be a finite number"),
     ("nan bandwidth", lambda t, p: ["inspect", "--cluster", _spec(t, "inter_node_bandwidth_gbps = 0.2", "inter_node_bandwidth_gbps = nan")],
