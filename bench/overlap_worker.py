@@ -8,9 +8,10 @@ one thread, one GEMM of all rows took 0.98-1.11x the time of two chunks over six
 up to a third of the smaller cases' communication). Rank 0 writes the records (medians) as JSON.
 
 A case (JSON): {"name", "kind": "ag_matmul" | "matmul_rs", "lengths": [rows per member],
-"hidden", "out"}. ag_matmul: x (sum lengths, hidden) split by rows, W (out, hidden),
-y = x W^T; matmul_rs: every rank holds x (sum lengths, hidden) and W (out, hidden) (its slice
-of the contraction), y = sum over ranks of x W^T, reduce-scattered by rows.
+"hidden", "out", "reps" (optional: its repetitions, else --reps)}. ag_matmul: x (sum lengths,
+hidden) split by rows, W (out, hidden), y = x W^T; matmul_rs: every rank holds x (sum lengths,
+hidden) and W (out, hidden) (its slice of the contraction), y = sum over ranks of x W^T,
+reduce-scattered by rows.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def measure_case(span: Span, case: dict, reps: int, trace: bool = False) -> dict
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", required=True, help="JSON file with the cases")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, help="repetitions of every case (default: the case's \"reps\", else 5)")
     p.add_argument("--out", required=True)
     p.add_argument("--trace", action="store_true", help="record every rank's matmul intervals of one more call")
     args = p.parse_args()
@@ -192,7 +193,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
     records = []
     for case in json.loads(Path(args.cases).read_text()):
         span = Span(dist.group.WORLD, tuple(range(world)), rank, 0, tuple(case["lengths"]))
-        records.append(measure_case(span, case, args.reps, args.trace))
+        records.append(measure_case(span, case, args.reps or case.get("reps", 5), args.trace))
     if rank == 0:
         Path(args.out).write_text(json.dumps(records))
 

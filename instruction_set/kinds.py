@@ -174,6 +174,8 @@ def fused_slices(variant: str) -> int:
     if variant not in FUSED_VARIANTS:
         raise ValueError(f"unknown fused variant {variant!r}; valid: {', '.join(FUSED_VARIANTS)}")
     return 0 if variant == "ring" else int(variant.removeprefix("sliced"))
+
+
 _R, _S, _P, _PMAX = PlacementKind.REPLICATE, PlacementKind.SHARD, PlacementKind.PARTIAL, PlacementKind.PARTIAL_MAX
 BOTH = frozenset({Phase.FORWARD, Phase.BACKWARD})
 

@@ -28,3 +28,16 @@ def test_a_matmul_that_moves_by_repetition_widens_it() -> None:
                "fused": [s + 0.02 for s in speed[10:] + speed[:10]]}
     lo, hi = overlap.exposure_interval(samples)
     assert hi - lo > 0.15
+
+
+class _NoModel:
+    def step_ratio(self, case: dict) -> float:
+        return 0.0
+
+
+def test_every_environment_has_both_kinds_at_four_sizes_each_with_its_repetitions() -> None:
+    for env in overlap.REGIMES:
+        cases = overlap.cases(env, _NoModel())
+        assert len({c["name"] for c in cases}) == len(cases) == 2 * 4 * 2
+        assert {c["kind"] for c in cases} == {"ag_matmul", "matmul_rs"}
+        assert all(c["reps"] >= 15 and sum(c["lengths"]) == overlap.REGIMES[env][0] for c in cases)
