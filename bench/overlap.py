@@ -172,9 +172,10 @@ REGIMES = {"inside": (TOKENS, 2048, {"ag_matmul": ((256, 60), (192, 60), (128, 3
 # The CPU quotas' period of both environments: within a period a worker runs unthrottled until
 # its quota is spent, so after a wait (communication) an op shorter than the quota runs at this
 # machine's speed, not the device's. At the spec's 10 ms (0.5 CPU: 5 ms unthrottled) the end to
-# end's small linears measured 4.3-4.8 ms against 9.4-9.7 predicted (their time here times the
-# device's factor), the step's compute 46-64 ms against 76-78 (4 runs); at 5 ms, 79-87 against
-# 87-90. Not shorter: the kernel's quota is >= 1 ms, 0.25 CPU of 2 ms would be below it.
+# end's small linears measured 4.3-5.7 ms against 9.4-9.7 predicted (their time here times the
+# device's factor), the step's compute 46-64 ms against 76-86 (4 runs); at 5 ms, 77-87 against
+# 87-97 (4 runs). Not shorter: at 2 ms the devices' timed factor rose from 2.2-2.4 to 2.6-3.1
+# (throttling's own cost), and the kernel's quota is >= 1 ms (0.25 CPU of 2 ms is below it).
 PERIOD_US = 5000
 
 SHORT = {"ag_matmul": "ag", "matmul_rs": "rs"}
@@ -207,10 +208,11 @@ def over_matmul(samples: dict[str, list[float]], variant: str, pick: list[int] |
 
 def exposure(samples: dict[str, list[float]], variant: str, pick: list[int] | None = None) -> float:
     """The exposed communication fraction (variant - matmul) / (unfused - matmul), both paired
-    (over_matmul); nan where the unfused pair measured no slower than the matmul alone. In
-    stop 33's two runs and stop 32's three, the paired form's 90% interval (exposure_interval)
-    was narrower than that of the ratio of the medians in 20-25 of the 32 cases, 0.71-0.85x as
-    wide (median), so it is the figure; the medians' ratio is recorded beside it."""
+    (over_matmul); nan where the unfused pair measured no slower than the matmul alone. In four
+    runs (two of stop 32's, two of stop 33's before the change), the paired form's 90% interval
+    (exposure_interval) was narrower than that of the ratio of the medians in 20-25 of the 32
+    cases, 0.71-0.85x as wide (median), so it is the figure; the medians' ratio is recorded
+    beside it."""
     comm = over_matmul(samples, "unfused", pick)
     return over_matmul(samples, variant, pick) / comm if comm > 0 else float("nan")
 
