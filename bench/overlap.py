@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -223,6 +224,7 @@ def exposed_of_medians(r: dict, variant: str) -> float:
 
 
 VARIANTS = ("unfused", "sliced2", "sliced4", "fused")
+OVERLAPPED = VARIANTS[1:]  # the variants whose exposure is measured
 
 
 def imbalance(lengths: list[int]) -> float:
@@ -247,11 +249,11 @@ def exposure_interval(samples: dict[str, list[float]], variant: str = "fused", d
                       level: float = 0.90) -> tuple[float, float]:
     """How well one run determines a variant's exposed fraction: a `level` interval of
     `exposure` over bootstrap resamples of whole repetitions (each repetition's variants ran
-    back to back, so a resample keeps them together; fixed seed). On this machine a one-thread matmul's time moves by up to 35% in
-    bursts of a fraction of a second (unthrottled, 100 calls of one 1024 x 2048 x 1024 matmul:
-    42-59 ms; in one traced run the same chunked matmul took 311-357 ms of CPU time), so
-    a case whose communication is small against its matmul has an interval wider than 0.15
-    whatever the ring does."""
+    back to back, so a resample keeps them together; fixed seed). On this machine a one-thread
+    matmul's time moves by up to 35% in bursts of a fraction of a second (unthrottled, 100 calls
+    of one 1024 x 2048 x 1024 matmul: 42-59 ms; in one traced run the same chunked matmul took
+    311-357 ms of CPU time), so a case whose communication is small against its matmul has an
+    interval wider than 0.15 whatever the ring does."""
     import random
 
     reps = len(samples["matmul"])
@@ -259,7 +261,7 @@ def exposure_interval(samples: dict[str, list[float]], variant: str = "fused", d
     values = []
     for _ in range(draws):
         value = exposure(samples, variant, [rng.randrange(reps) for _ in range(reps)])
-        values.append(float("inf") if value != value else value)
+        values.append(float("inf") if math.isnan(value) else value)
     values.sort()
     tail = (1.0 - level) / 2.0
     return values[int(tail * (draws - 1))], values[int((1.0 - tail) * (draws - 1))]
@@ -284,18 +286,20 @@ def analyse(r: dict, predicted: dict[str, float]) -> tuple[dict, list]:
               "predicted_fused_s": predicted["fused"], "picked": picked,
               "model_step_ratio": r.get("model_ratio"), "measured_step_ratio": ratio,
               "measured_row_ratio": measured_row_ratio(r), "fused_exposed_90": list(interval),
-              "exposed": {v: exposure(r["samples"], v) for v in ("sliced2", "sliced4", "fused")},
-              "exposed_of_medians": {v: exposed_of_medians(r, v) for v in ("sliced2", "sliced4", "fused")},
+              "exposed": {v: exposure(r["samples"], v) for v in OVERLAPPED},
+              "exposed_of_medians": {v: exposed_of_medians(r, v) for v in OVERLAPPED},
               "samples_s": r["samples"]}
     model_ratio = f"{r['model_ratio']:.2f}" if "model_ratio" in r else ""
     row = [r["name"], *(f"{r[v + '_s'] * 1e3:.1f}" for v in ("matmul", *VARIANTS)),
-           f"{predicted['fused'] * 1e3:.1f}", *(f"{record['exposed'][v]:.2f}" for v in ("sliced2", "sliced4", "fused")),
-           f"{interval[0]:.2f}..{interval[1]:.2f}", f"{record['exposed_of_medians']['fused']:.2f}", model_ratio, f"{ratio:.2f}", picked, fastest, "yes" if ok else "NO"]
+           f"{predicted['fused'] * 1e3:.1f}", *(f"{record['exposed'][v]:.2f}" for v in OVERLAPPED),
+           f"{interval[0]:.2f}..{interval[1]:.2f}", f"{record['exposed_of_medians']['fused']:.2f}", model_ratio,
+           f"{ratio:.2f}", picked, fastest, "yes" if ok else "NO"]
     return record | {"_ok": ok, "_hidden": 0 < ratio <= 1.0, "_no_comm": ratio <= 0}, row
 
 
 HEADER = ["case", "matmul ms", "unfused ms", "sliced2 ms", "sliced4 ms", "fused ms", "pred fused ms",
-          "exp s2", "exp s4", "exp fused", "exp fused 90%", "exp fused (medians)", "t_p/t_c model", "t_p/t_c meas", "picked", "fastest", "ok"]
+          "exp s2", "exp s4", "exp fused", "exp fused 90%", "exp fused (medians)", "t_p/t_c model", "t_p/t_c meas",
+          "picked", "fastest", "ok"]
 
 
 def summary(records: list[dict]) -> dict:
@@ -435,7 +439,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.e2e_only:
         with tempfile.TemporaryDirectory() as tmp:
-            result, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace, args.period_us)
+            result, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace,
+                                     args.period_us)
         print_table([row], E2E_HEADER)
         old = json.loads((RESULTS / "overlap.json").read_text())
         write_json("overlap.json", {"cases": old["cases"], "end_to_end": result})
@@ -469,7 +474,8 @@ def main() -> None:
     write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
     if not args.no_e2e:
         with tempfile.TemporaryDirectory() as tmp:
-            e2e, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace, args.period_us)
+            e2e, row = end_to_end(args.e2e_env, args.e2e_model, Path(tmp), args.e2e_rounds, args.e2e_trace,
+                                  args.period_us)
         print_table([row], E2E_HEADER)
         write_json("overlap.json", {"cases": cases_json, "end_to_end": e2e})
 
