@@ -1,6 +1,7 @@
-"""The `hetsynth` command line (COMMANDS). User errors print `error: ...` and exit with status
-2; a run that fails prints `error: ...` naming the failed rank and exits with status 1. Every
-command first removes what dead runs left behind (runtime.runstate)."""
+"""The `hetsynth` command line (COMMANDS). User errors (and inputs that cannot be read) print
+`error: ...` and exit with status 2; a run that fails prints `error: ...` naming the failed
+rank and exits with status 1. Every command first removes what dead runs left behind
+(runtime.runstate)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RunFailed, EmulationError) as err:  # the run failed, not the user: status 1
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # an input this user may not read, or one that is not a file
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RecursionError:
+        print("error: an input file nests too deeply to read", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hetsynth import capture_model
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
 from runtime.config import add_train_arguments, train_config
-from runtime.outputs import check_outputs
+from runtime.outputs import check_outputs, model_file
 
 if TYPE_CHECKING:
     from instruction_set.plan import Plan
@@ -175,7 +175,8 @@ def plan_run(args: argparse.Namespace) -> int:
     import hetsynth
     from hetsynth.report import instruction_mix, plan_summary_text
 
-    check_outputs({"-o": args.output})  # before the synthesis it would throw away
+    check_outputs({"-o": args.output},  # before the synthesis it would throw away
+                  inputs={"--cluster": args.cluster, "--model": model_file(args.model)})
     if args.stages is not None and args.zero not in ("auto", "0"):
         raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")
@@ -236,10 +237,12 @@ def run_run(args: argparse.Namespace) -> int:
     import hetsynth
     from instruction_set.plan import load_plan
     from hetsynth.view_commands import raw_trace_dir, trace_outputs, write_run_trace
+    from planner.model_check import check_model_unchanged
     from runtime.launch import RunOptions, preflight, run, runs_here
 
     plan, path = load_plan(args.plan), args.plan
-    check_outputs({"--save": args.save, "--report": args.report, **trace_outputs(args.trace)})
+    check_outputs({"--save": args.save, "--report": args.report, **trace_outputs(args.trace)},
+                  inputs={"PLAN": args.plan, "--resume": args.resume, "the plan's model": model_file(plan.model.ref)})
     if args.trace and not runs_here(plan.cluster):
         raise ValueError(f"--trace {args.trace!r}: cluster {plan.cluster.name!r} has {len(plan.cluster.nodes)} nodes "
                          f"and no emulation section, so its ranks run elsewhere; --trace needs a run on this machine")
@@ -252,6 +255,8 @@ def run_run(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices != plan.cluster.num_devices:
             plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
+        else:  # a plan made earlier: its model must still be the model it was made for
+            check_model_unchanged(plan)
         rc = show_run(run(plan, path, opts))
         if raw is not None and len(list(Path(raw).glob("rank*.json"))) == plan.cluster.num_devices:
             write_run_trace(plan, raw, args.trace)  # every rank trained (also when --check then failed)
@@ -304,7 +309,8 @@ def profile_run(args: argparse.Namespace) -> int:
     from runtime.launch import launch_checked
 
     cluster = load_cluster(args.cluster)
-    output = str(check_outputs({"-o": args.output, "--records": args.records})["-o"])
+    outputs = check_outputs({"-o": args.output, "--records": args.records}, inputs={"--cluster": args.cluster})
+    output = str(outputs["-o"])
     launch_checked(cluster, ["-m", "profiling.profile_worker", "--cluster", os.path.abspath(args.cluster),
                              "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
                              "--max-bytes", str(args.max_bytes),
@@ -336,7 +342,8 @@ def demo_run(args: argparse.Namespace) -> int:
 
 
 def cleanup_args(p: argparse.ArgumentParser) -> None:
-    """remove what dead runs left behind: processes, network namespaces, veths, cgroups, temp directories"""
+    """remove what dead runs left behind: processes, network namespaces, veths, cgroups, temp directories
+    (a record naming anything hetsynth did not make is set aside untouched, with a note)"""
     p.add_argument("--unrecorded", action="store_true",
                    help="also remove emulated clusters that no run recorded and whose process is gone "
                         "(left by hetsynth versions before run records)")
@@ -349,7 +356,7 @@ def cleanup_run(args: argparse.Namespace) -> int:
     if args.unrecorded and emulation.unavailable() is None:
         removed += [f"removed unrecorded {what}" for what in emulation.remove_unrecorded()]
     for line in removed or ["nothing left behind by dead runs"]:
-        print(line)
+        print(f"note: {line}" if line.startswith(runstate.SKIPPED) else line)
     for line in runstate.live_runs():
         print(line)
     return 0

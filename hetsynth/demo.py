@@ -32,6 +32,7 @@ from pathlib import Path
 
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text, plan_summary_text
 from instruction_set.cluster import ClusterSpec, load_cluster
+from instruction_set.files import write_atomic
 from instruction_set.plan import Plan, save_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,7 @@ TRAINED = ("hetsynth", "DP-EV")  # DP-CP's plan only gives DDP-CP its rows
 def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace,
             raw: Path) -> dict:
     from runtime.launch import launch_checked
+    from runtime.plan_handoff import plan_digests
 
     paths = {}
     for name, plan in plans.items():
@@ -86,7 +88,7 @@ def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: a
                              "--ddp", f"DDP-EV=mean:{paths['DP-EV']}", f"DDP-CP=weighted:{paths['DP-CP']}",
                              "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                              "--steps", "2", "--report", str(report), "--traced", "hetsynth",
-                             "--trace-raw", str(raw)], "the demo run")
+                             "--trace-raw", str(raw)], "the demo run", plans=plan_digests(list(paths.values())))
     return json.loads(report.read_text())
 
 
@@ -114,7 +116,7 @@ def parity(model: str, measured: dict, tolerance: float) -> bool:
 def run_demo(args: argparse.Namespace) -> int:
     from runtime import emulation
 
-    outputs = demo_outputs(args.out)
+    outputs = demo_outputs(args.out, args)
     cluster, source = demo_cluster(args)
     _section(f"cluster ({source})")
     print(cluster_summary_text(cluster_summary(cluster)))
@@ -146,14 +148,16 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def demo_outputs(out: str) -> dict[str, Path]:
-    """The files the demo writes into `out` (created), checked before any work."""
-    from runtime.outputs import check_outputs
+def demo_outputs(out: str, args: argparse.Namespace) -> dict[str, Path]:
+    """The files the demo writes into `out` (created), checked before any work (none may be
+    the cluster spec or the model file it reads)."""
+    from runtime.outputs import check_outputs, model_file
 
     Path(out).mkdir(parents=True, exist_ok=True)
     names = {"plan": "plan.json", "predicted": "predicted.json", "measured": "measured.json",
              "comparison": "measured.instructions.json", "report": "report.html"}
-    return check_outputs({f"--out ({k})": Path(out) / v for k, v in names.items()})
+    return check_outputs({f"--out ({k})": Path(out) / v for k, v in names.items()},
+                         inputs={"--cluster": args.cluster, "--model": model_file(args.model)})
 
 
 def write_outputs(plan: Plan, raw: Path, outputs: dict[str, Path]) -> None:
@@ -164,12 +168,12 @@ def write_outputs(plan: Plan, raw: Path, outputs: dict[str, Path]) -> None:
 
     path = lambda key: outputs[f"--out ({key})"]
     save_plan(plan, path("plan"))
-    path("predicted").write_text(json.dumps(predicted_trace(plan)))
+    write_atomic(path("predicted"), json.dumps(predicted_trace(plan)))
     trace = measured_trace(plan, read_raw(raw, plan.cluster.num_devices))
-    path("measured").write_text(json.dumps(trace))
+    write_atomic(path("measured"), json.dumps(trace))
     result = comparison(plan, trace)
-    path("comparison").write_text(json.dumps(result, indent=1))
-    path("report").write_text(report_html(plan, trace, result))
+    write_atomic(path("comparison"), json.dumps(result, indent=1))
+    write_atomic(path("report"), report_html(plan, trace, result))
     print(f"wrote {path('plan')}, {path('predicted').name} and {path('measured').name} (Chrome traces: Perfetto, "
           f"chrome://tracing), {path('comparison').name}")
     print(f"report: {path('report')}")

@@ -26,6 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from instruction_set.files import write_atomic
 from instruction_set.plan import Plan
 from hetsynth.trace import (COMMUNICATION, COMPUTE, PHASES, complete, instruction_name, lane_of,
                             plan_digest, predicted_step, process_events, trace_document)
@@ -162,9 +163,9 @@ def companion_path(trace_path: str | Path) -> Path:
 def write_measured(plan: Plan, raw_dir: str | Path, trace_path: str | Path) -> dict[str, Any]:
     """Merge the ranks' raw records; write the trace and its comparison; return the latter."""
     trace = measured_trace(plan, read_raw(raw_dir, plan.cluster.num_devices))
-    Path(trace_path).write_text(json.dumps(trace))
+    write_atomic(trace_path, json.dumps(trace))
     result = comparison(plan, trace)
-    companion_path(trace_path).write_text(json.dumps(result, indent=1))
+    write_atomic(companion_path(trace_path), json.dumps(result, indent=1))
     return result
 
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from instruction_set.files import write_atomic
 from runtime.outputs import check_outputs
 
 
@@ -23,12 +24,12 @@ def trace_run(args: argparse.Namespace) -> int:
     from hetsynth.trace import predicted_trace
     from instruction_set.plan import PlanShape, load_plan
 
-    output = check_outputs({"-o": args.output})["-o"]
+    output = check_outputs({"-o": args.output}, inputs={"PLAN": args.plan})["-o"]
     plan = load_plan(args.plan)
     if plan.shape is PlanShape.PIPELINE:
         return _pipeline_trace_run(plan, output)
     trace = predicted_trace(plan)
-    output.write_text(json.dumps(trace))
+    write_atomic(output, json.dumps(trace))
     slices = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     print(f"wrote {args.output}: {slices} slices on {plan.cluster.num_devices} devices, predicted step "
           f"{plan.predicted.step_time_s * 1e3:.3f} ms (open it in Perfetto or chrome://tracing)")
@@ -39,7 +40,7 @@ def _pipeline_trace_run(plan, output: Path) -> int:
     from hetsynth.report_pipeline import pipeline_trace
 
     trace = pipeline_trace(plan)
-    output.write_text(json.dumps(trace))
+    write_atomic(output, json.dumps(trace))
     slices = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     print(f"wrote {output}: {slices} slices on {len(plan.pipeline.stages)} stages, predicted step "
           f"{plan.pipeline.predicted.step_time_s * 1e3:.3f} ms ({plan.pipeline.schedule.value}; open it in Perfetto "
@@ -59,14 +60,14 @@ def report_run(args: argparse.Namespace) -> int:
     from hetsynth.report_html import report_html
     from instruction_set.plan import PlanShape, load_plan
 
-    output = check_outputs({"-o": args.output})["-o"]
+    output = check_outputs({"-o": args.output}, inputs={"PLAN": args.plan, "--measured": args.measured})["-o"]
     plan = load_plan(args.plan)
     if args.measured and plan.shape is PlanShape.PIPELINE:
         raise ValueError(f"--measured {args.measured}: pipeline plans have no measured traces yet (`run --trace` "
                          f"refuses them); report the plan without --measured")
     measured = load_measured(args.measured, plan) if args.measured else None
     page = report_html(plan, measured, comparison(plan, measured) if measured else None)
-    output.write_text(page)
+    write_atomic(output, page)
     print(f"wrote {output} ({len(page) / 1024:.0f} KiB)")
     return 0
 

@@ -34,9 +34,9 @@ import math
 import tomllib
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from instruction_set.calibration import Calibration
 
@@ -49,6 +49,23 @@ MAX_DEVICES = 65_536  # the largest cluster a spec may describe (see load_cluste
 MIN_QUOTA_US = 1000  # the least CFS quota the kernel takes (cpu.cfs_quota_us)
 
 
+def _within(low: float, high: float, unit: str) -> AfterValidator:
+    """A magnitude the planner can compute with: finite values far outside any device (1e308 GiB,
+    1e-300 FLOP/s) make its products overflow to inf or its quotients vanish, inside the solvers."""
+    def check(value: float | None) -> float | None:
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"must be in [{low:g}, {high:g}] {unit}")
+        return value
+    return AfterValidator(check)
+
+
+Flops = Annotated[float, Field(gt=0), _within(1e3, 1e21, "FLOP/s")]
+GiB = Annotated[float, Field(gt=0), _within(1e-6, 1e6, "GiB")]
+GByteS = Annotated[float, Field(gt=0), _within(1e-6, 1e7, "GB/s")]
+Gbps = Annotated[float, Field(gt=0), _within(1e-6, 1e7, "Gbit/s")]
+Micros = Annotated[float, Field(ge=0), _within(0, 1e8, "us")]
+
+
 class _Frozen(BaseModel):
     """Strict scalars (no `true` for a count, no "16" for a number) and finite floats; lists
     are accepted for tuples (`Field(strict=False)` on those fields)."""
@@ -59,26 +76,26 @@ class _Frozen(BaseModel):
 class DeviceKind(_Frozen):
     """A device model. `throughput_flops` is the effective dense matmul rate (peak or measured)."""
 
-    throughput_flops: float = Field(gt=0)
-    memory_gib: float = Field(gt=0)
-    memory_bandwidth_gbyte_s: float = Field(default=500.0, gt=0)
-    kernel_launch_us: float = Field(default=5.0, ge=0)
+    throughput_flops: Flops
+    memory_gib: GiB
+    memory_bandwidth_gbyte_s: GByteS = 500.0
+    kernel_launch_us: Micros = 5.0
     transfer_cpu_share: float = Field(
         default=0.0, ge=0, le=1,
         description="gamma: the share of an asynchronous collective's time that this device's compute "
                     "loses while the collective is in flight (0: a copy engine or NCCL moves the bytes; "
                     "near 1: CPU workers whose transfer threads share the compute's CPU quota); "
                     "measured by hetsynth profile (profiling.overlap)")
-    transfer_cpu_us_per_message: float = Field(
-        default=0.0, ge=0,
+    transfer_cpu_us_per_message: Micros = Field(
+        default=0.0,
         description="the compute time this device loses per asynchronous message in flight (waking "
                     "the transfer threads), beside transfer_cpu_share; measured by hetsynth profile")
     p2p_cpu_share: float | None = Field(
         default=None, ge=0, le=1,
         description="transfer_cpu_share for point-to-point messages (pipeline boundaries), measured "
                     "apart from the all-reduces' by hetsynth profile; unset: transfer_cpu_share")
-    p2p_cpu_us_per_message: float | None = Field(
-        default=None, ge=0,
+    p2p_cpu_us_per_message: Micros | None = Field(
+        default=None,
         description="transfer_cpu_us_per_message for point-to-point messages (pipeline boundaries); "
                     "unset: transfer_cpu_us_per_message")
     measured: bool = False
@@ -99,8 +116,8 @@ class Device(_Frozen):
 class Node(_Frozen):
     name: str = Field(min_length=1)
     devices: tuple[str, ...] = Field(strict=False)
-    nic_bandwidth_gbps: float | None = Field(default=None, gt=0)
-    intra_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    nic_bandwidth_gbps: Gbps | None = None
+    intra_bandwidth_gbps: Gbps | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> "Node":
@@ -110,10 +127,10 @@ class Node(_Frozen):
 
 
 class Links(_Frozen):
-    intra_node_bandwidth_gbps: float = Field(gt=0)
-    intra_node_latency_us: float = Field(default=5.0, ge=0)
-    inter_node_bandwidth_gbps: float = Field(gt=0)
-    inter_node_latency_us: float = Field(default=50.0, ge=0)
+    intra_node_bandwidth_gbps: Gbps
+    intra_node_latency_us: Micros = 5.0
+    inter_node_bandwidth_gbps: Gbps
+    inter_node_latency_us: Micros = 50.0
 
 
 class Emulation(_Frozen):
@@ -353,6 +370,8 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> ClusterSpe
         return ClusterSpec.model_validate(_expand_node_shorthand(raw, source))
     except ValidationError as err:
         raise ClusterSpecError(_format_errors(source, err)) from None
+    except RecursionError:
+        raise ClusterSpecError(f"invalid cluster spec {source}: nested too deeply") from None
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
@@ -360,11 +379,17 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     path = Path(path)
     if not path.is_file():
         raise ClusterSpecError(f"cluster spec {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:  # unreadable for this user, or not text
+        raise ClusterSpecError(f"cluster spec {path}: cannot read it: {err}") from None
     try:
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ClusterSpecError(f"cluster spec {path}: cannot parse: {err}") from None
+    except RecursionError:
+        raise ClusterSpecError(f"cluster spec {path}: nested too deeply to parse (a spec needs a few levels "
+                               f"of tables)") from None
     return cluster_from_dict(raw, source=str(path))
 
 

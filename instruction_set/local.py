@@ -12,7 +12,9 @@ rules tested in one process are the rules the runtime executes. Rewrites:
 - `mean_global`: a mean over a split dim is the local sum divided by the global count;
 - `gather_sharded` / `embedding_sharded`: a rank holding rows [offset, offset + len) of the
   table looks up the indices in that range and contributes zeros for the others (P output);
-- `amax_sharded`: a max over a split dim that tolerates an empty local shard (-inf).
+- `amax_sharded`: a max over a split dim that tolerates an empty local shard (-inf);
+- on a rank whose outputs of the node are all empty (zero-length shards are legal), the op
+  is not called: `empty_result` makes them, in the plan's local shapes and dtypes.
 
 The functions below are what the generated per-rank programs call (they appear in
 `hetsynth explain` output as `instruction_set.local.<name>`).
@@ -20,6 +22,7 @@ The functions below are what the generated per-rank programs call (they appear i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -73,7 +76,7 @@ def gather_sharded(x: torch.Tensor, dim: int, index: torch.Tensor, offset: int) 
     if size == 0:
         shape = list(x.shape)
         shape[dim] = index.shape[dim]
-        return x.new_zeros(index.shape) if x.dim() == index.dim() else x.new_zeros(shape)
+        return (x.new_zeros(index.shape) if x.dim() == index.dim() else x.new_zeros(shape)) + in_autograd(x)
     picked = torch.gather(x, dim, local.clamp(0, size - 1))
     return picked * inside.to(picked.dtype)
 
@@ -85,10 +88,22 @@ def embedding_sharded(weight: torch.Tensor, indices: torch.Tensor, offset: int,
     local = indices - offset
     inside = (local >= 0) & (local < rows)
     if rows == 0:
-        return weight.new_zeros((*indices.shape, weight.shape[1]))
+        return weight.new_zeros((*indices.shape, weight.shape[1])) + in_autograd(weight)
     pad = padding_idx - offset if padding_idx >= 0 and 0 <= padding_idx - offset < rows else None
     out = F.embedding(local.clamp(0, rows - 1), weight, padding_idx=pad)
     return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def in_autograd(*tensors: Any) -> torch.Tensor | float:
+    """A zero that depends on every differentiable tensor of `tensors`: added to a result made
+    without them (an empty shard's), it keeps them in the autograd graph, so the collectives in
+    their backward still run on this rank (a rank that skipped them would deadlock the others).
+    The sum of no element of each, not `sum() * 0`, which an infinite element makes NaN."""
+    zero: torch.Tensor | float = 0.0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            zero = zero + (t.real if t.is_complex() else t).reshape(-1)[:0].sum()
+    return zero
 
 
 def amax_sharded(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
@@ -142,6 +157,34 @@ def _size_tolerant(op: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def empty_result(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], multi: bool,
+                 device: torch.device, inputs: Any) -> Any:
+    """A node's outputs on a rank where all of them are empty (zero-length shards are legal):
+    new tensors of the plan's local shapes and dtypes, no kernel called (library kernels may
+    refuse empty input: oneMKL's FFT raises "Inconsistent configuration parameters"). They
+    stay in the autograd graph of `inputs`, the op's inputs (in_autograd)."""
+    zero = in_autograd(*_tensors(inputs))
+    outs = [torch.empty(tuple(s), dtype=d, device=device) for s, d in zip(shapes, dtypes)]
+    outs = [o + zero if (o.is_floating_point() or o.is_complex()) and torch.is_tensor(zero) else o for o in outs]
+    return tuple(outs) if multi else outs[0]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def all_empty(shapes: Sequence[Sequence[int]]) -> bool:
+    """Every output shape has no element (and there is at least one)."""
+    return bool(shapes) and all(math.prod(s) == 0 for s in shapes)
+
+
 # Ops run through a size-tolerant wrapper on every rank.
 LOCAL_TARGETS: dict[str, Callable[..., Any]] = {
     "aten.convolution.default": convolution,
@@ -176,19 +219,27 @@ def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext,
     resolve = _resolver(values)
     a = tuple(decode_arg(args, resolve, ctx.device))
     k = {name: decode_arg(v, resolve, ctx.device) for name, v in node.kwargs.items()}
-    kinds = local_kinds(local)
-    name = node.name
+    if all_empty(ctx.out_shapes):  # this rank's shard is empty: no kernel sees it
+        dtypes = [getattr(torch, m.dtype) for m in node.outputs]
+        return builder.call(empty_result, (list(ctx.out_shapes), dtypes, node.multi_output, ctx.device, [a, k]), {},
+                            name=node.name)
+    fn, a, k = _local_call(node, local_kinds(local), a, k, ctx)
+    return builder.call(fn, a, k, name=node.name)
+
+
+def _local_call(node: Node, kinds: set[str], a: tuple, k: dict,
+                ctx: LocalContext) -> tuple[Callable[..., Any], tuple, dict]:
+    """(function, args, kwargs) computing the node on this rank under the rewrites `kinds`."""
     if "mean_global" in kinds:
-        return builder.call(mean_global, *_mean_args(node, a, k, ctx), name=name)
+        return (mean_global, *_mean_args(node, a, k, ctx))
     if "gather_sharded" in kinds:
-        return builder.call(gather_sharded, (a[0], a[1], a[2], ctx.offsets[0]), {}, name=name)
+        return gather_sharded, (a[0], a[1], a[2], ctx.offsets[0]), {}
     if "embedding_sharded" in kinds:
         pad = a[2] if len(a) > 2 else k.get("padding_idx", -1)
-        return builder.call(embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {}, name=name)
+        return embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {}
     if "amax_sharded" in kinds:
-        return builder.call(amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False),
-                            {}, name=name)
-    return builder.call(LOCAL_TARGETS.get(node.target) or run_target(node.target), a, k, name=name)
+        return amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False), {}
+    return LOCAL_TARGETS.get(node.target) or run_target(node.target), a, k
 
 
 def local_kinds(local: str) -> set[str]:

@@ -6,7 +6,9 @@ A user factory is called with the overrides as keyword arguments and returns
 `(module, example_inputs)`; the module's forward returns the loss. Training data for a user
 model are the rows of its example inputs when they hold real values (sample `i` is row
 `i % batch`), and seeded random values of the same shape and dtype when they are on the meta
-device.
+device. The inputs are those of the latest factory call made outside a meta device context
+(a factory that writes `torch.randint(0, v, (b, s))` without `device=` would make meta inputs
+under one): building the module on the meta device never replaces them.
 
 Model families (a name, presets and the functions that build a module and its data) are a
 registry, as op rules are: `register_family` adds one. The project's zoo (hetsynth.zoo) and any
@@ -118,11 +120,11 @@ class ModelSpec:
     def build(self, device: str | torch.device = "cpu") -> nn.Module:
         """Build the module on `device` with its own initialisation, in the spec's dtype."""
         with torch.device(device):
-            module = self._build()
+            module = _sized(self.ref, self._build)
         return module.to(self.dtype)
 
     def example_inputs(self, device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
-        return self._cast(tuple(t.to(device) for t in self._inputs(device)))
+        return self._cast(tuple(t.to(device) for t in _sized(self.ref, lambda: self._inputs(device))))
 
     def make_batch(self, sample_ids: Sequence[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
         """The training inputs of the given global sample indices (the same on every rank)."""
@@ -188,6 +190,18 @@ def _zoo_spec(ref: str, entry: ModelFamily, preset: str, overrides: dict[str, st
     )
 
 
+def _sized(ref: str, make: Callable[[], Any]) -> Any:
+    """A model's module or inputs; sizes that pass its config's checks but whose tensors torch
+    cannot hold (a size past int64, a product that overflows) are a ModelRefError (a user's
+    factory's own errors are ModelRefErrors already: _user_call)."""
+    try:
+        return make()
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelRefError(f"{ref}: the model cannot be built at these sizes ({type(err).__name__}: {first}); "
+                            f"choose smaller sizes") from None
+
+
 def _raised(err: BaseException, path: Path) -> str:
     """`TypeError: message (file.py, line 12)`: an error and where in the user's file it arose."""
     if isinstance(err, SyntaxError):
@@ -198,12 +212,13 @@ def _raised(err: BaseException, path: Path) -> str:
 
 
 def _user_call(what: str, path: Path, call: Callable[[], Any]) -> Any:
-    """Run the user's code; an exception it raises becomes a ModelRefError naming it."""
+    """Run the user's code; anything it raises (SystemExit from `sys.exit(0)` included, but
+    not Ctrl-C) becomes a ModelRefError naming it."""
     try:
         return call()
-    except ModelRefError:
+    except (ModelRefError, KeyboardInterrupt):
         raise
-    except Exception as err:  # the user's code may raise anything
+    except BaseException as err:  # the user's code may raise or exit with anything
         raise ModelRefError(f"{what} raised {_raised(err, path)}") from None
 
 
@@ -269,22 +284,25 @@ def _rows(inputs: tuple[torch.Tensor, ...], ids: Sequence[int], seed: int) -> tu
 
 def _file_spec(ref: str, path: Path, factory_name: str, overrides: dict[str, str]) -> ModelSpec:
     factory = _load_factory(path, factory_name)
-    cache: dict[str, Any] = {}
+    call = f"{factory_name}({', '.join(f'{k}={v!r}' for k, v in overrides.items())})"
+    cache: dict[str, tuple[torch.Tensor, ...]] = {}
 
-    def made() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-        if "v" not in cache:
-            call = f"{factory_name}({', '.join(f'{k}={v!r}' for k, v in overrides.items())})"
-            result = _user_call(f"{ref}: the factory {call}", path, lambda: factory(**overrides))
-            cache["v"] = _factory_result(ref, result)
-        return cache["v"]
+    def run() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        """One factory call: a fresh module (fresh initialisation) per build. Its inputs are
+        the user's values unless a meta device context turned them into meta tensors."""
+        made = _factory_result(ref, _user_call(f"{ref}: the factory {call}", path, lambda: factory(**overrides)))
+        cache["meta" if torch.get_default_device().type == "meta" else "user"] = made[1]
+        return made
 
-    def build() -> nn.Module:
-        cache.pop("v", None)  # a fresh module (fresh initialisation) per build
-        return made()[0]
+    def inputs(device: Any = None) -> tuple[torch.Tensor, ...]:
+        """The user's inputs; for a meta request, the inputs of a meta build serve as well."""
+        if "user" not in cache and not (str(device) == "meta" and "meta" in cache):
+            with torch.device("cpu"):
+                run()
+        return cache.get("user") or cache["meta"]
 
-    return ModelSpec(ref=ref, name=path.stem, config=None, _build=build,
-                     _inputs=lambda device: made()[1],
-                     _batch=lambda ids, seed: _rows(made()[1], ids, seed))
+    return ModelSpec(ref=ref, name=path.stem, config=None, _build=lambda: run()[0], _inputs=inputs,
+                     _batch=lambda ids, seed: _rows(inputs(), ids, seed))
 
 
 def parse_model_ref(ref: str) -> ModelSpec:

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from instruction_set.cluster import ClusterSpec
+from instruction_set.files import write_atomic
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import Layout
 from instruction_set.mesh import Mesh
@@ -202,7 +203,8 @@ Plan.model_rebuild()
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(plan.model_dump_json(indent=1))
+    """Write `plan` as JSON, whole or not at all (instruction_set.files: WriteError on failure)."""
+    write_atomic(path, plan.model_dump_json(indent=1))
 
 
 def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
@@ -253,4 +255,8 @@ def load_plan(path: str | Path) -> Plan:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise PlanError(f"{path} is not JSON: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:  # unreadable for this user, or not text
+        raise PlanError(f"plan file {path}: cannot read it: {err}") from None
+    except RecursionError:
+        raise PlanError(f"plan file {path}: nested too deeply to parse; make a new plan (hetsynth plan)") from None
     return plan_from_json(raw, str(path))

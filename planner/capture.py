@@ -19,6 +19,9 @@
    unless `allow_replicate_fallback` accepts them as replicated-only ops. Higher-order ops
    that survive lowering (torch.cond, ...) carry subgraphs the plan cannot hold: they are
    reported and cannot fall back.
+5. What training needs is checked here, at plan time, not on the ranks: at least one trainable
+   (floating-point, requires_grad) parameter, and a loss that is one floating-point scalar
+   through which gradients reach the parameters (not detached, not computed under no_grad).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.interpret import RUN_AS
 from instruction_set.models import ModelSpec
 from instruction_set.rules import is_supported
+from instruction_set.rules.moe import flop_formulas
 from planner.lower import Lowered, LoweringError, lower, place
 from planner.saved_tensors import with_saved
 
@@ -123,7 +127,9 @@ def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> Lowered:
     try:
         with _faked(model, mode), mode:
             ep = torch.export.export(model, fake_inputs, strict=False)
-    except Exception as err:  # export raises many types; report them as one capture error
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # export (or the forward: sys.exit too) raises many types; one capture error
         raise CaptureError(f"torch.export could not trace the model: {type(err).__name__}: {err}") from err
     try:
         return lower(ep)
@@ -137,6 +143,7 @@ class _Replay:
     def __init__(self) -> None:
         self.env: dict[str, Any] = {}
         self.cache: dict[str, tuple[float, float]] = {}
+        self.unreplayed: set[str] = set()  # nodes given export's shapes: whether a gradient flows is unknown
 
     def leaf(self, name: str) -> Any:
         value = self.env[name]
@@ -159,7 +166,7 @@ class _Replay:
         if cached is not None:
             with torch.no_grad() if not any(t.requires_grad for t in leaves) else _nullctx():
                 return target(*a, **k), *cached
-        with FlopCounterMode(display=False) as fwd:
+        with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as fwd:
             out = target(*a, **k)
         bwd = _backward_flops(out, [t for t in leaves if t.requires_grad])
         self.cache[key] = (float(fwd.get_total_flops()), bwd)
@@ -179,7 +186,7 @@ def _backward_flops(out: Any, leaves: list[torch.Tensor]) -> float:
             if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outs or not leaves:
         return 0.0
-    with FlopCounterMode(display=False) as bwd:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as bwd:
         torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
     return float(bwd.get_total_flops())
 
@@ -228,6 +235,7 @@ def _call(node: fx.Node, replay: _Replay) -> Node:
         out, fwd, bwd = replay.run(call, args, kwargs, _cache_key(target, args, kwargs, replay))
     except Exception:  # op without a meta kernel: fall back to export's shapes, no FLOPs
         out, fwd, bwd = _from_export_meta(node.meta.get("val")), 0.0, 0.0
+        replay.unreplayed.add(node.name)
     replay.env[node.name] = out
     outs = out if isinstance(out, (tuple, list)) else [out]
     return Node(
@@ -257,6 +265,32 @@ def _loss_name(outputs: list[str], nodes: list[Node]) -> str:
     return outputs[0]
 
 
+def _check_trainable(model: nn.Module) -> None:
+    """CaptureError unless the model has a parameter training can update."""
+    params = list(model.parameters())
+    if not params:
+        raise CaptureError(f"the model ({type(model).__name__}) has no parameters: training would update "
+                           f"nothing; register the weights as nn.Parameter (in __init__)")
+    if not any(p.requires_grad and p.is_floating_point() for p in params):
+        frozen = sum(p.numel() for p in params)
+        raise CaptureError(f"the model ({type(model).__name__}) has no trainable parameters: its {len(params)} "
+                           f"parameter tensor(s) ({frozen:,} elements) all have requires_grad=False or are not "
+                           f"floating point")
+
+
+def _check_loss(loss: str, nodes: list[Node], unreplayed: set[str]) -> None:
+    """CaptureError unless the loss is a floating-point scalar that gradients flow through
+    (known only when every node was replayed: export's shapes say nothing about gradients)."""
+    meta = next(n for n in nodes if n.name == loss).outputs[0]
+    if not meta.is_float:
+        raise CaptureError(f"the loss has dtype {meta.dtype}; it must be a floating-point scalar to be "
+                           f"differentiated (return e.g. loss.float(), computed from the parameters)")
+    if not meta.requires_grad and not unreplayed:
+        raise CaptureError(f"the loss ({meta.dtype} scalar) does not depend on any trainable parameter "
+                           f"(it is detached, computed under torch.no_grad, or uses no parameter): training "
+                           f"would change nothing")
+
+
 def _unsupported(nodes: list[Node], higher_order: set[str]) -> list[UnsupportedOp]:
     bad = [n for n in nodes if n.op == "call" and not is_supported(n.target)]
     counts = Counter(n.target for n in bad)
@@ -275,6 +309,7 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_r
             allow_replicate_fallback: bool = False) -> ReferenceGraph:
     """Export `model` with `example_inputs` and build its reference graph."""
     lowered = _export(model, example_inputs)
+    _check_trainable(model)  # after export: a forward that cannot be traced is the first thing to fix
     replay, nodes, higher_order = _Replay(), [], set()
     for node in lowered.graph_module.graph.nodes:
         if node.op == "placeholder":
@@ -287,6 +322,7 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_r
     report = _unsupported(nodes, higher_order)
     if report and (not allow_replicate_fallback or higher_order & {r.target for r in report}):
         raise UnsupportedOpsError(report)
+    _check_loss(loss, nodes, replay.unreplayed)
     fallback = {r.target for r in report}
     nodes = [n.model_copy(update={"fallback": True}) if n.target in fallback else n for n in nodes]
     return with_saved(ReferenceGraph(model_ref=model_ref, nodes=tuple(nodes), loss=loss,

@@ -2,8 +2,10 @@
 
 The global batch of step s is samples [sB, (s+1)B). M micro-batches split it in order; the first
 `B mod M` get ceil(B/M) samples and the rest floor(B/M) (`micro_batch_sizes`: B=8, M=3 gives
-3, 3, 2). Each micro-batch runs the model's graph captured at its own size (`micro_graphs`; the
-captures at different sizes have the same nodes, only shapes and shape arguments differ).
+3, 3, 2). Each micro-batch runs the model's graph captured at its own size (`micro_graphs`),
+rebuilt on the full batch's nodes by what each computes (planner.graph_match): the captures at
+two sizes may differ in order, names and identity ops left out, the rebuilt graphs only in
+shapes and in arguments that scale with the batch.
 
 The loss contract: the micro-batches' losses must SUM to the single-device loss, so that the
 gradients autograd accumulates over them are the whole batch's. Comparing the graph at B with the
@@ -31,6 +33,7 @@ from instruction_set.graph import Node, ReferenceGraph
 from instruction_set.models import ModelSpec, with_overrides
 from instruction_set.stages import input_only
 from planner.capture import capture_spec
+from planner.graph_match import MicroGraphMismatch, aligned
 
 # ops a batch sum's path to the loss may take and stay linear in the samples
 _LINEAR = {"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.view.default", "aten.reshape.default",
@@ -71,8 +74,8 @@ def _where(node: Node) -> str:
 def classify(full: ReferenceGraph, small: ReferenceGraph) -> MicroBatching:
     """Statistics and couplings of a graph (module docstring), from captures at two batch sizes."""
     cheap, stats, coupled = input_only(full), [], []
-    for node, other in zip(full.calls, small.calls, strict=True):
-        assert node.name == other.name and node.target == other.target, (node.name, other.name)
+    _check_aligned(full, small)
+    for node, other in zip(full.calls, small.calls):
         if _varies(full, small, node.name):
             continue
         if node.args != other.args and node.name not in cheap:
@@ -83,6 +86,14 @@ def classify(full: ReferenceGraph, small: ReferenceGraph) -> MicroBatching:
             elif not node.target.startswith("aten.sum.") or not _linear_to_loss(full, node.name, cheap):
                 coupled.append(f"a batch reduction that does not add up over micro-batches: {_where(node)}")
     return MicroBatching(tuple(stats), tuple(coupled))
+
+
+def _check_aligned(full: ReferenceGraph, small: ReferenceGraph) -> None:
+    pairs = [(a, b) for a, b in zip(full.calls, small.calls) if (a.name, a.target) != (b.name, b.target)]
+    if pairs or len(full.calls) != len(small.calls):
+        first = f"{_where(pairs[0][0])} against {_where(pairs[0][1])}" if pairs else "their lengths"
+        raise MicroGraphMismatch(f"the graphs of {full.model_ref} differ beyond their sizes ({len(full.calls)} and "
+                                 f"{len(small.calls)} ops); first: {first} (planner.graph_match.aligned matches them)")
 
 
 def _linear_to_loss(graph: ReferenceGraph, name: str, cheap: frozenset[str]) -> bool:
@@ -140,6 +151,11 @@ def micro_graphs(spec: ModelSpec, full: ReferenceGraph, sizes: Sequence[int],
     graphs = {b: capture_at(spec, b) for b in distinct}
     if measure is not None:
         graphs = {b: measure(g, b) for b, g in graphs.items()}
+    try:
+        graphs = {b: aligned(full, g, batch, b) for b, g in graphs.items()}
+    except MicroGraphMismatch as err:
+        raise MicroGraphMismatch(f"{len(sizes)} micro-batches of {spec.ref}: {err}; pipeline it with one "
+                                 f"micro-batch") from err
     found = classify(full, graphs[distinct[0]])
     if found.coupled:
         raise ValueError(f"{len(sizes)} micro-batches would change the loss of {spec.ref}: {found.coupled[0]}; "

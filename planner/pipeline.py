@@ -4,9 +4,10 @@
 stage choice (contiguous calls on contiguous ranks; `auto_stages` chooses one by
 planner.stage_dp) into the plan's `pipeline`:
 1. the micro-batch sizes and graphs (planner.microbatch; a coupled graph gets one micro-batch);
-2. per stage, its graph (instruction_set.stages) at the largest micro-batch size, synthesized on
-   the stage's sub-cluster by the existing search and ratio LP (or at given ratios); the same
-   program at the other size, its activations' shard lengths derived there (`program_at`);
+2. per stage, its graph (instruction_set.stages) at the largest micro-batch size (the smallest
+   when that program cannot run at the smallest: `_stage_plans`), synthesized on the stage's
+   sub-cluster by the existing search and ratio LP (or at given ratios); the same program at
+   the other size, its activations' shard lengths derived there (`program_at`);
 3. per boundary tensor and destination layout, the cross-mesh resharding plan
    (planner.resharding, send/recv: the pipeline runtime moves each slice with its own
    non-blocking point-to-point transfer);
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 StageChoice = tuple[range, tuple[int, int]]  # (ranks, [start, stop) over graph.calls)
 
 
+class MixedSizesError(ValueError):
+    """No stage program runs at every micro-batch size (the runtime needs one program)."""
+
+
 def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
     """`plan`'s program and ratios on `graph` (the same stage at another micro-batch size)."""
     found = _evaluate(graph, cluster, plan.sharding_ratios, plan.instructions)
@@ -55,16 +60,23 @@ def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
 
 def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls: tuple[int, int],
                  ratios: Sequence[float] | None, width: int) -> dict[int, Plan]:
-    big = max(graphs)
-    first = make_plan(stage_graph(graphs[big], *calls), cluster, ratios=ratios, width=width, progress=False,
-                      with_baselines=False, allow_zero=False)  # the pipeline runtime keeps optimizer state whole
-    if any(i.kind in FUSED_MATMULS for i in first.instructions):
-        first = without_fusion(first)  # the pipeline executor runs no fused collective-matmuls (not tested there)
-    plans = {big: first}
-    for b, g in graphs.items():
-        if b != big:
-            plans[b] = program_at(stage_graph(g, *calls), cluster, first)
-    return plans
+    """The stage's program synthesized at the largest micro-batch size and derived at the
+    others; else synthesized at the smallest (the largest's may shard a dim that is 1 at the
+    smallest, such as the batch of a micro-batch of one: no rule shards a dim of 1)."""
+    failed = []
+    for size in sorted({max(graphs), min(graphs)}, reverse=True):
+        first = make_plan(stage_graph(graphs[size], *calls), cluster, ratios=ratios, width=width, progress=False,
+                          with_baselines=False, allow_zero=False)  # the pipeline runtime keeps optimizer state whole
+        if any(i.kind in FUSED_MATMULS for i in first.instructions):
+            first = without_fusion(first)  # the pipeline executor runs no fused collective-matmuls (not tested there)
+        try:
+            others = {b: program_at(stage_graph(g, *calls), cluster, first) for b, g in graphs.items() if b != size}
+        except ValueError as err:
+            failed.append(f"the program synthesized at {size} samples: {err}")
+            continue
+        return {size: first} | others
+    raise MixedSizesError(f"stage of calls {list(calls)}: no program runs at every micro-batch size {sorted(graphs)} "
+                          f"({'; '.join(failed)}); choose a micro-batch count that divides the batch")
 
 
 def held_layout(plan: Plan, tensor: str) -> Layout:
@@ -253,8 +265,9 @@ def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int 
                 schedule: Schedule | None = None, width: int = 64, measure: MeasureAt | None = None) -> Plan:
     """A pipeline of `num_stages` stages (`rank_groups`, `balanced_cuts` by the groups'
     throughputs), with the micro-batch count (of S, 2S, 4S within the batch, unless given) and
-    the schedule (unless given) the simulation predicts fastest. The plan's shape is the
-    pipeline when it is predicted faster than the SPMD plan by more than 2 % or only it fits."""
+    the schedule (unless given) the simulation predicts fastest of those that fit. The plan's
+    shape is the pipeline when it is predicted faster than the SPMD plan by more than 2 % or only
+    it fits."""
     cluster = spmd.cluster
     groups = rank_groups(cluster, num_stages)
     speeds = cluster.throughputs_flops()
@@ -287,21 +300,46 @@ def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, sc
 
 def _best_pipeline(spmd: Plan, spec: ModelSpec, tries: Sequence[tuple[list[StageChoice], Sequence[int]]],
                    schedule: Schedule | None, width: int, measure: MeasureAt | None = None) -> Plan:
-    """The fastest of the given stage choices and micro-batch counts, each under the given
-    schedule or the one the simulation predicts fastest."""
+    """The fastest of the given stage choices and micro-batch counts that fits memory (the
+    fastest when none does), each under the given schedule or the fastest one that fits."""
     best: Plan | None = None
+    skipped: MixedSizesError | None = None
     for choice, counts in tries:
         for m in counts:
-            candidate = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width, measure=measure)
-            p = candidate.pipeline
-            pick = schedule or min(Schedule, key=lambda s: p.predicted.schedules[str(s)])
-            candidate = with_schedule(candidate, pick) if pick is not p.schedule else candidate
-            if best is None or candidate.pipeline.predicted.step_time_s < best.pipeline.predicted.step_time_s:
+            try:
+                made = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width, measure=measure)
+            except MixedSizesError as err:
+                log.warning("%d micro-batches skipped: %s", m, err)
+                skipped = err
+                continue
+            candidate = _scheduled(made, schedule)
+            if best is None or _rank(candidate) < _rank(best):
                 best = candidate
             if candidate.pipeline.coupled:  # one micro-batch whatever was asked
                 break
-    assert best is not None
+    if best is None:
+        assert skipped is not None
+        raise skipped
     return best
+
+
+def _scheduled(candidate: Plan, schedule: Schedule | None) -> Plan:
+    """The pipeline under `schedule`, else under the fastest schedule whose stages fit memory
+    (GPipe holds all M micro-batches' activations: often the fastest, not always one that
+    fits), else under the fastest."""
+    p = candidate.pipeline
+    options = [schedule] if schedule else sorted(Schedule, key=lambda s: p.predicted.schedules[str(s)])
+    under = lambda s: candidate.model_copy(update={"pipeline": p.model_copy(update={"schedule": s})})  # noqa: E731
+    pick = next((s for s in options if _fits(under(s))), options[0])
+    return with_schedule(candidate, pick) if pick is not p.schedule else candidate
+
+
+def _fits(plan: Plan) -> bool:
+    return all(peak <= cap for peak, cap, _ in stage_memory(plan))
+
+
+def _rank(plan: Plan) -> tuple[bool, float]:
+    return not _fits(plan), plan.pipeline.predicted.step_time_s
 
 
 def stage_memory(plan: Plan) -> list[tuple[float, float, int]]:
@@ -325,6 +363,6 @@ def _choose_shape(spmd: Plan, best: Plan) -> Plan:
     """Pipeline when it fits (`stage_memory`) and is predicted faster than SPMD by more than
     2 % or SPMD does not fit."""
     faster = best.pipeline.predicted.step_time_s < spmd.predicted.step_time_s * 0.98
-    fits = all(peak <= cap for peak, cap, _ in stage_memory(best))
+    fits = _fits(best)
     shape = PlanShape.PIPELINE if fits and (faster or not spmd.predicted.fits) else PlanShape.SPMD
     return best.model_copy(update={"shape": shape})

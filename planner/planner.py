@@ -397,6 +397,8 @@ def _normalise(ratios: Sequence[float], cluster: ClusterSpec) -> tuple[float, ..
                          f"({', '.join(d.name for d in cluster.devices)})")
     if not all(math.isfinite(r) and r >= 0 for r in ratios) or sum(ratios) <= 0:
         raise ValueError(f"ratios must be finite, >= 0 and have a positive sum, got {list(ratios)}")
+    if not math.isfinite(sum(ratios)):  # finite ratios (1e308, 1e308) whose sum overflows: scale them first
+        ratios = [r / max(ratios) for r in ratios]
     return tuple(r / sum(ratios) for r in ratios)
 
 

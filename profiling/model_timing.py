@@ -28,12 +28,12 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from instruction_set.cluster import ClusterSpec, dump_cluster_toml, load_cluster
+from instruction_set.files import write_atomic
 from instruction_set.shards import largest_remainder
 from runtime.rank import run_rank
 
@@ -88,7 +88,7 @@ def time_rows(rank: int, args: argparse.Namespace) -> None:
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(record, gathered, dst=0)
     if rank == 0:
-        Path(args.output).write_text(json.dumps({"model": args.model, "devices": gathered}))
+        write_atomic(args.output, json.dumps({"model": args.model, "devices": gathered}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from instruction_set.cluster import dump_cluster_toml, load_cluster
+from instruction_set.files import write_atomic
 from instruction_set.mesh import Mesh
 from profiling.overlap import p2p_cpu_rows, transfer_cpu_rows
 from profiling.profiler import measure_collectives, measure_compute, measured_spec
@@ -61,10 +62,8 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
     if rank == 0:
         spec = measured_spec(cluster, gathered, records)
         if args.records:
-            with open(args.records, "w") as f:
-                json.dump(records, f)
-        with open(args.output, "w") as f:
-            f.write(f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
+            write_atomic(args.records, json.dumps(records))
+        write_atomic(args.output, f"# measured by hetsynth profile from {args.cluster}\n" + dump_cluster_toml(spec))
         for d, c in zip(cluster.devices, gathered):
             log.info("%-12s %-10s %8.2f GFLOP/s  %6.2f GB/s  launch %6.1f us  compute lost to transfers "
                      "in flight (messages, transfer ms, lost ms): %s", d.name, d.kind, c["throughput_flops"] / 1e9,

@@ -1,21 +1,29 @@
 """One node's torchrun agent, as the launcher starts it (`python -m runtime.agent ... -- <torchrun args>`).
 
-It is torchrun (`torch.distributed.run.run`, in this process), with three differences:
+It is torchrun (`torch.distributed.run.run`, in this process), with these differences:
 
-- It dies with the launcher: PR_SET_PDEATHSIG sends it SIGTERM when the launcher goes away
-  (SIGKILL included), and torchrun then stops its workers; nothing trains on unseen.
+- It dies with the launcher: PR_SET_PDEATHSIG sends it SIGKILL when the launcher goes away
+  (SIGKILL included), and its workers die with it (runtime.rank: the same, tied to this
+  agent's pid, AGENT_ENV); nothing trains on unseen. Not SIGTERM: torchrun would give its
+  workers 30 s to stop, and a stopped worker ignores SIGTERM: the agent and that worker would
+  outlive the launcher by 30 s.
+- `--bind-store`: this agent hosts the rendezvous store, listening on `--master-addr` only
+  (loopback for a run on this machine, node 0's address inside an emulated cluster, the
+  address the user names in the printed command of node 0 of a multi-node cluster): a
+  TCPStore's own server listens on every interface whatever host it is given, and it has no
+  authentication. `--master-port 0` takes a free port. The store is created first,
+  `multi_tenant`, so torchrun's own static rendezvous store on the same port shares it.
 - `--failures FILE`: when a worker fails, the failures torchrun saw are written to FILE as
   JSON, `{global rank: {"exitcode": n, "signal": "SIGKILL" | null}}`, and the agent exits 1
   without torchrun's ChildFailedError traceback (the launcher names the failed rank with the
   rank's own message, runtime.heartbeat).
-- `--hold-store`: node 0's agent hosts the rendezvous store, and keeps it after its own
-  workers are done, until the launcher closes this agent's stdin. torchrun's exit barrier
+- `--hold-store`: `--bind-store`, and the store is kept after this agent's own workers are
+  done, until the launcher closes this agent's stdin. torchrun's exit barrier
   (`_exit_barrier`, one store barrier over the agents) lets the agent that arrives last set
   the barrier key and then wait on it; node 0's agent, woken by that key, used to return and
   exit, taking the store down while the last agent's wait was still in flight: that agent
   logged "Error waiting on exit barrier ... DistNetworkError" with a traceback, in 5-6 of 27
-  successful runs. The store here is created first, `multi_tenant` (torchrun's own static
-  rendezvous store on the same port shares its server), so it outlives every other agent.
+  successful runs. Created first, the store outlives every other agent.
 """
 
 from __future__ import annotations
@@ -28,50 +36,69 @@ import os
 import signal
 import sys
 
+from instruction_set.files import write_atomic
+
 PR_SET_PDEATHSIG = 1
+AGENT_ENV = "HETSYNTH_AGENT_PID"   # the workers' parent, for their own PR_SET_PDEATHSIG (runtime.rank)
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGTERM this process when its parent exits (and at once if it already has)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    """SIGKILL this process when its parent exits (and at once if it already has)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hold_store(args: argparse.Namespace):
-    """The rendezvous store's server, created before torchrun's (which then shares it)."""
+def bind_store(args: argparse.Namespace):
+    """The rendezvous store's server on `args.master_addr` only, created before torchrun's
+    (which then shares it); a port 0 is replaced in `args` by the one taken."""
+    import socket
+
     from torch.distributed import TCPStore
 
+    family = socket.AF_INET6 if ":" in args.master_addr else socket.AF_INET
+    sock = socket.create_server((args.master_addr.strip("[]"), args.master_port), family=family, backlog=512)
+    args.master_port = sock.getsockname()[1]
     return TCPStore(args.master_addr, args.master_port, None, True, datetime.timedelta(seconds=600),
-                    wait_for_workers=False, multi_tenant=True)
+                    wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def write_failures(path: str, failures: dict) -> None:
-    with open(path, "w") as f:
-        json.dump({rank: {"exitcode": fail.exitcode, "signal": fail.signal_name() if fail.exitcode < 0 else None}
-                   for rank, fail in failures.items()}, f)
+    write_atomic(path, json.dumps({rank: {"exitcode": fail.exitcode,
+                                          "signal": fail.signal_name() if fail.exitcode < 0 else None}
+                                   for rank, fail in failures.items()}))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The agent's own flags, and torchrun's after `--` (in `torchrun`)."""
+    p = argparse.ArgumentParser(prog="runtime.agent")
+    p.add_argument("--parent", type=int, help="the launcher's pid, to die with (none: a node command a user runs)")
+    p.add_argument("--failures", help="write the workers' failures here (JSON; none: torchrun reports them)")
+    p.add_argument("--bind-store", action="store_true", help="host the rendezvous store on --master-addr only")
+    p.add_argument("--hold-store", action="store_true", help="--bind-store, and keep the store until stdin closes")
+    p.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="runtime.agent")
-    p.add_argument("--parent", type=int, required=True, help="the launcher's pid")
-    p.add_argument("--failures", required=True, help="write the workers' failures here (JSON)")
-    p.add_argument("--hold-store", action="store_true", help="host the rendezvous store until stdin closes")
-    p.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
-    args = p.parse_args(argv)
-    die_with_parent(args.parent)
+    args = parse(argv)
+    if args.parent is not None:
+        die_with_parent(args.parent)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     torchrun = parse_args(args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun)
-    store = hold_store(torchrun) if args.hold_store else None
+    store = bind_store(torchrun) if args.bind_store or args.hold_store else None  # noqa: F841 (kept alive)
+    os.environ[AGENT_ENV] = str(os.getpid())
     try:
         run(torchrun)
-        if store is not None:
+        if args.hold_store:
             sys.stdin.read()  # until the launcher closes it: every other agent has left
     except ChildFailedError as err:
+        if args.failures is None:
+            raise
         write_failures(args.failures, err.failures)
         return 1
     except SignalException as err:

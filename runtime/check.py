@@ -11,6 +11,11 @@ and every parameter and buffer within `10 * tolerance`, measured elementwise as
 `|a - b| / max(1, |b|)` (absolute for small values, relative for large ones such as running
 variances). A failure names the worst tensor and its difference.
 
+**An op without a float64 kernel** (torch._grouped_mm in transformers' MoE layers, a
+float32-only custom op) runs in float32 inside the twin and the reference alike
+(instruction_set.precision); the float64 comparison then names those ops and judges at
+float32's tolerances (below), the precision the lowest op computes in.
+
 **float32 (or lower) is information.** Sums in another order round differently, and AdamW
 turns that noise on near-zero gradients into updates of up to the learning rate per step,
 so a correct float32 run can differ from single-device training by about `2 * lr * steps`
@@ -38,15 +43,26 @@ class Comparison:
     worst_diff: float
     loss_tolerance: float
     tensor_tolerance: float
+    lowered: tuple[tuple[str, str], ...] = ()  # (op, the dtype it ran in): ops without a `dtype` kernel
 
     @property
     def ok(self) -> bool:
         return self.loss_rel <= self.loss_tolerance and self.worst_diff <= self.tensor_tolerance
 
     def describe(self) -> str:
+        lowered = ""
+        if self.lowered:
+            ops = ", ".join(f"{op} ({dtype})" for op, dtype in self.lowered)
+            lowered = (f"; ops without a {self.dtype} kernel ran in a lower precision: {ops}, so the "
+                       f"tolerances are {lowest_dtype(self.dtype, dict(self.lowered))}'s")
         return (f"{self.dtype}: largest relative loss difference {self.loss_rel:.3e} (tolerance "
                 f"{self.loss_tolerance:.1e}), largest parameter/buffer difference {self.worst_diff:.3e} "
-                f"in {self.worst or '-'} (tolerance {self.tensor_tolerance:.1e})")
+                f"in {self.worst or '-'} (tolerance {self.tensor_tolerance:.1e}){lowered}")
+
+
+def lowest_dtype(dtype: str, lowered: Mapping[str, str]) -> str:
+    """The least precise of `dtype` and the dtypes ops ran in instead of it."""
+    return max([dtype, *lowered.values()], key=lambda d: torch.finfo(getattr(torch, d)).eps)
 
 
 def tensor_difference(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -68,8 +84,11 @@ def loss_difference(got: Sequence[float], want: Sequence[float]) -> float:
     return max(diffs, default=0.0) if not any(math.isnan(d) for d in diffs) else math.nan
 
 
-def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, tolerance: float) -> tuple[float, float]:
-    """(relative loss, parameter/buffer) tolerances of a comparison in `dtype`."""
+def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, tolerance: float,
+                     lowered: Mapping[str, str] | None = None) -> tuple[float, float]:
+    """(relative loss, parameter/buffer) tolerances of a comparison in `dtype`, or in the
+    lowest dtype an op of the run computed in instead (`lowered`: {op: dtype})."""
+    dtype = lowest_dtype(dtype, lowered or {})
     if dtype == "float64":
         return tolerance, PARAM_FACTOR * tolerance
     eps = math.sqrt(torch.finfo(getattr(torch, dtype)).eps)
@@ -78,20 +97,22 @@ def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, toleranc
 
 def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float],
             tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-            tolerances: tuple[float, float]) -> Comparison:
+            tolerances: tuple[float, float], lowered: Mapping[str, str] | None = None) -> Comparison:
     """The run's losses and final tensors against single-device training; NaN counts as
-    the worst difference, and a tensor missing on either side fails."""
+    the worst difference, and a tensor missing on either side fails. `lowered`: the ops that
+    ran in a lower precision than `dtype` ({op: dtype}), named in the result."""
+    low = tuple(sorted((lowered or {}).items()))
     worst, worst_diff = "", 0.0
     for name in sorted(set(tensors) | set(expected)):
         if name not in tensors or name not in expected:
             if name in tensors:  # the run has a tensor the plain model does not
-                return Comparison(dtype, 0.0, name, math.inf, *tolerances)
+                return Comparison(dtype, 0.0, name, math.inf, *tolerances, lowered=low)
             continue  # an alias or a buffer the graph never reads: not trained
         diff = tensor_difference(tensors[name], expected[name])
         if math.isnan(diff) or diff > worst_diff:
             worst, worst_diff = name, math.inf if math.isnan(diff) else diff
     loss = loss_difference(losses, expected_losses)
-    return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances)
+    return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances, lowered=low)
 
 
 # -- the same check on a pool of ranks (tests, bench/families.py) ---------------------------------
@@ -112,7 +133,7 @@ def check_on_pool(pool: Any, plan: Any, config: Any, tolerance: float = 1e-9) ->
     each against single-device training in its dtype; the last comparison decides."""
     from dataclasses import replace
 
-    from instruction_set.precision import with_float_dtype
+    from instruction_set.precision import lowered_ops_recorded, with_float_dtype
     from runtime.train import assemble, plan_reference
 
     out = []
@@ -122,7 +143,8 @@ def check_on_pool(pool: Any, plan: Any, config: Any, tolerance: float = 1e-9) ->
         results = pool.run(pool_worker, plan, run_config, timeout_s=900)
         ran = with_float_dtype(plan, dtype) if twin else plan
         tensors = assemble(ran, [r[1] for r in results]) | results[0][2]
-        losses, expected = plan_reference(plan, run_config)
-        tol = dtype_tolerances(dtype, config.optimizer, config.lr, config.steps, tolerance)
-        out.append(compare(dtype, results[0][0], losses, tensors, expected, tol))
+        with lowered_ops_recorded() as lowered:
+            losses, expected = plan_reference(plan, run_config)
+        tol = dtype_tolerances(dtype, config.optimizer, config.lr, config.steps, tolerance, lowered)
+        out.append(compare(dtype, results[0][0], losses, tensors, expected, tol, lowered))
     return out

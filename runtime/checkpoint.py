@@ -1,25 +1,33 @@
 """Checkpoints independent of the plan: full tensors, resharded on load.
 
 save  every rank sends its slices of the parameters and of their optimizer state to rank 0
-      (gather_object), which reassembles whole tensors and writes one file:
-        {"format": 1, "model_ref", "step": the number of steps trained,
+      (gather_object), which reassembles whole tensors and writes one file, whole or not at
+      all (instruction_set.files: a failed write leaves the previous checkpoint intact):
+        {"format": 2, "model_ref", "step": the number of steps trained,
          "model": the model's state_dict (loadable into the plain single-device module,
                   tied names included; buffers as training left them),
          "optimizer": {"kind", "settings": {"lr", "weight_decay"},
-                       "state": {name: {"step", "exp_avg", "exp_avg_sq" | "momentum_buffer"}}}}
+                       "state": {name: {"step", "exp_avg", "exp_avg_sq" | "momentum_buffer"}}},
+         "checksums": {"model/<name>" | "optimizer/<name>/<key>": sha256 of the tensor's dtype,
+                       shape and bytes}}
 load  every rank reads the file and takes its own slices under *its* plan, which may have
       other ratios, layouts or world size than the plan that saved it; buffers are whole.
 
 `read_checkpoint` + `check_resume` validate a checkpoint before any rank starts (the launcher)
 and again on every rank: a file torch cannot read (corrupt, truncated, not a checkpoint), a
 target step at or before the checkpoint's (resuming continues from its step to `--steps`), an
-optimizer of another kind or other settings (its state would not mean the same), and
-parameters missing or of other shapes are CheckpointErrors naming the file and the values.
-Files are read with `weights_only=True` (tensors and plain data only: no code runs on load).
+optimizer of another kind or other settings (its state would not mean the same), a step that
+is not an integer >= 0, a tensor whose bytes do not match its checksum (a damaged file would
+otherwise resume with wrong weights and a nan loss), and parameters missing or of other
+shapes are CheckpointErrors naming the file and the values. Format 1 (no checksums) is still
+read, unverified. Files are read with `weights_only=True` (tensors and plain
+data only: no code runs on load).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from instruction_set.files import atomic_file
 from instruction_set.graph import ReferenceGraph
 from instruction_set.models import ModelSpec
 from instruction_set.plan import Plan
@@ -34,7 +43,10 @@ from runtime.codegen import local_slice
 from runtime.config import TrainConfig
 from runtime.train import Trainer, assemble, model_buffers
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)  # 1: no checksums
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -89,11 +101,40 @@ def save_checkpoint(trainer: Trainer, path: str | Path, step: int) -> None:
     dist.gather_object(_local_state(trainer), gathered, dst=0, group=group)
     if trainer.groups.rank == 0:
         params, optim = _assemble_state(trainer.plan, gathered)  # type: ignore[arg-type]
-        torch.save({"format": FORMAT, "model_ref": trainer.plan.model.ref, "step": step,
-                    "model": _model_state_dict(trainer, params),
-                    "optimizer": {"kind": trainer.config.optimizer, "settings": optimizer_settings(trainer.config),
-                                  "state": optim}}, path)
+        write_checkpoint(path, model_ref=trainer.plan.model.ref, step=step, model=_model_state_dict(trainer, params),
+                         optimizer={"kind": trainer.config.optimizer, "settings": optimizer_settings(trainer.config),
+                                    "state": optim})
     dist.barrier(group=group)
+
+
+def write_checkpoint(path: str | Path, *, model_ref: str, step: int, model: dict[str, torch.Tensor],
+                     optimizer: dict[str, Any]) -> None:
+    """Write a checkpoint of the current FORMAT, with its checksums, whole or not at all."""
+    ckpt = {"format": FORMAT, "model_ref": model_ref, "step": step, "model": model, "optimizer": optimizer}
+    save_atomic(ckpt | {"checksums": checksums(ckpt)}, path)
+
+
+def save_atomic(obj: Any, path: str | Path) -> None:
+    """torch.save `obj` to `path` whole or not at all (WriteError naming the path and reason)."""
+    with atomic_file(path) as f:
+        torch.save(obj, f)
+
+
+def checksums(ckpt: dict[str, Any]) -> dict[str, str]:
+    """{"model/<name>" | "optimizer/<name>/<key>": sha256} of every tensor of a checkpoint."""
+    out = {f"model/{k}": tensor_digest(v) for k, v in ckpt["model"].items()}
+    for name, state in ckpt["optimizer"]["state"].items():
+        out |= {f"optimizer/{name}/{k}": tensor_digest(v) for k, v in state.items() if torch.is_tensor(v)}
+    return out
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (in row-major order)."""
+    digest = hashlib.sha256(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _model_state_dict(trainer: Trainer, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -137,18 +178,49 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{where}: not a checkpoint torch can read ({why})") from None
     keys = {"format", "step", "model", "optimizer"}
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or not keys <= set(ckpt):
+    if not isinstance(ckpt, dict) or ckpt.get("format") not in READABLE_FORMATS or not keys <= set(ckpt):
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{where}: not a hetsynth checkpoint of format {FORMAT} (found {found!r}; "
                               f"hetsynth run --save writes them)")
+    step = ckpt["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{where}: step {step!r} is not a number of steps trained (an integer >= 0); "
+                              f"the file is damaged or not written by hetsynth run --save")
+    _check_tensors(ckpt, where)
     return ckpt
+
+
+def _check_tensors(ckpt: dict[str, Any], where: str) -> None:
+    """Every tensor against its checksum (format 2; format 1 has none: read as it is)."""
+    if ckpt["format"] == 1:
+        log.debug("%s is checkpoint format 1, which has no checksums: its tensors are not verified", where)
+        return
+    saved = ckpt.get("checksums")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where}: format {FORMAT} checkpoint without its checksums (damaged?)")
+    try:
+        found = checksums(ckpt)
+    except (AttributeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{where}: model or optimizer state of the wrong structure ({err})") from None
+    bad = [name for name in sorted(set(saved) | set(found)) if saved.get(name) != found.get(name)]
+    if bad:
+        what = "; ".join(f"{n} ({_mismatch(n, saved, found)})" for n in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise CheckpointError(f"{where}: tensor(s) do not match the checksums written with them: {what}{more}; "
+                              f"the file was damaged or changed after it was saved: resume from another checkpoint")
+
+
+def _mismatch(name: str, saved: dict[str, str], found: dict[str, str]) -> str:
+    if name not in found:
+        return "missing"
+    return "not checksummed" if name not in saved else "bytes differ"
 
 
 def check_resume(ckpt: dict[str, Any], path: str | Path, plan: Plan, config: TrainConfig,
                  steps: int | None = None) -> int:
     """The step `ckpt` holds, after checking that it can resume training `plan` with
     `config` up to `steps` (see the module docstring)."""
-    where, step = f"--resume {str(path)!r}", int(ckpt["step"])
+    where, step = f"--resume {str(path)!r}", ckpt["step"]
     if steps is not None and steps <= step:
         raise CheckpointError(f"{where} holds step {step}; --steps {steps} is not after it: give --steps more "
                               f"than {step} (the run continues with step {step + 1})")

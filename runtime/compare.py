@@ -41,12 +41,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from instruction_set.files import write_atomic
 from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan, PlanShape, load_plan
+from instruction_set.plan import Plan, PlanShape
 from runtime.config import TrainConfig
 from runtime.emulation import IFACE
 from runtime.groups import Groups
 from runtime.pipeline import trainer as pipeline_trainer
+from runtime.plan_handoff import load_rank_plan
 from runtime.rank import run_rank
 from runtime.ddp import DDPTrainer, ddp_setup
 from runtime.timing import StepTracer
@@ -204,7 +206,7 @@ def _entries(rank: int, args: argparse.Namespace) -> tuple[dict[str, Entry], boo
     entries: dict[str, Entry] = {}
     reads_nic = False
     for name, path in zip(args.names, args.plans):
-        plan = load_plan(path)
+        plan = load_rank_plan(path)
         if plan.shape is PlanShape.PIPELINE:
             entries[name] = PipelineEntry(pipeline_trainer.setup(plan, rank, TrainConfig(steps=0), world=dist.group.WORLD))
             reads_nic = plan.mesh.local(rank) == 0
@@ -213,7 +215,7 @@ def _entries(rank: int, args: argparse.Namespace) -> tuple[dict[str, Entry], boo
         entries[name] = PlanEntry(setup(plan, groups, TrainConfig(steps=0)))
         reads_nic = groups.mesh.local(rank) == 0
     for name, mode, path in args.ddp:
-        plan = load_plan(path)
+        plan = load_rank_plan(path)
         entries[name] = ddp_setup(parse_model_ref(plan.model.ref), plan_rows(plan), TrainConfig(steps=0),
                                   group=dist.group.WORLD, rank=rank, weighted=mode == "weighted")
     return entries, reads_nic
@@ -252,7 +254,7 @@ def compare(rank: int, args: argparse.Namespace) -> None:
     actions = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(events, actions, dst=0)
     if tracer is not None and args.trace_raw:
-        Path(args.trace_raw, f"rank{rank}.json").write_text(json.dumps(tracer.record()))
+        write_atomic(Path(args.trace_raw, f"rank{rank}.json"), json.dumps(tracer.record()))
     if rank == 0:
         steps = args.rounds * args.steps
         report: dict = {n: {"step_seconds": t, "median_s": statistics.median(t), "losses": losses[n],
@@ -264,8 +266,7 @@ def compare(rank: int, args: argparse.Namespace) -> None:
         if tracer is not None:
             report["traced"] = {"name": args.traced, "step_seconds": traced, "median_s": statistics.median(traced),
                                 "untraced_step_seconds": times[args.traced]}
-        with open(args.report, "w") as f:
-            json.dump(report, f)
+        write_atomic(args.report, json.dumps(report))
 
 
 if __name__ == "__main__":

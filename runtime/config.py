@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -26,10 +27,11 @@ class TrainConfig:
         bad = [(f"--steps {self.steps}", "give a number >= 0", self.steps < 0),
                (f"--optimizer {self.optimizer}", f"use one of {', '.join(OPTIMIZERS)}",
                 self.optimizer not in OPTIMIZERS),
-               (f"--lr {self.lr:g}", "give a positive learning rate", not self.lr > 0),
-               (f"--weight-decay {self.weight_decay:g}", "give a number >= 0", not self.weight_decay >= 0),
-               (f"--max-grad-norm {self.max_grad_norm}", "give a positive norm, or none",
-                self.max_grad_norm is not None and not self.max_grad_norm > 0)]
+               (f"--lr {self.lr:g}", "give a positive, finite learning rate", not 0 < self.lr < math.inf),
+               (f"--weight-decay {self.weight_decay:g}", "give a finite number >= 0",
+                not 0 <= self.weight_decay < math.inf),
+               (f"--max-grad-norm {self.max_grad_norm}", "give a positive, finite norm, or none",
+                self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf)]
         for what, valid, wrong in bad:
             if wrong:
                 raise ValueError(f"{what}: {valid}")

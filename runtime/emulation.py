@@ -59,10 +59,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from instruction_set.cluster import ClusterSpec, Emulation as EmulationSpec
+from runtime.names import CGROUP_CPU, PREFIX
 from runtime.runstate import RunRecord, recorded, remove, remove_cgroup, remove_namespace
 
-CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
-PREFIX = "hse"
 IFACE = "eth0"
 ENV = "HETSYNTH_EMULATION"
 COMM_SHARES = 8192   # cpu.shares of a communication group, against the device groups' 1024

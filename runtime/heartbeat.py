@@ -40,17 +40,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.runstate import start_ticks
+from runtime.names import STATUS_ENV, start_ticks
+from runtime.runstate import write_replacing
 
-ENV = "HETSYNTH_STATUS"
+ENV = STATUS_ENV
 BEAT_S = 0.5
 STALE_S = 3.0
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_replacing(path, json.dumps(data), mode=0o644)
 
 
 class Heartbeat:

@@ -1,14 +1,21 @@
 """`hetsynth run`: launch a plan with torchrun, on this machine or as per-node commands.
 
-- A single-node cluster runs here: `torchrun --standalone` with one process per device (gloo
-  on CPU, NCCL on GPUs).
+- A single-node cluster runs here: torchrun with one process per device (gloo on CPU, NCCL
+  on GPUs), its rendezvous store (no authentication) and the process groups' sockets on
+  loopback only (static rendezvous at 127.0.0.1, a free port; GLOO_ and
+  NCCL_SOCKET_IFNAME=lo). Not `--standalone`: its stores listen on every interface.
 - A cluster with an `emulation` section, one node or more, runs here on the emulated cluster
   (runtime.emulation): one torchrun per node, each inside its node's network namespace, with
-  static rendezvous at node 0's address; each worker joins its device's cgroup. Without
-  root, plain local processes run instead (correctness only) and a note says so. (Until stop
-  31 a one-node emulated cluster ran as plain local processes without a word: its devices
-  computed at a whole CPU each, not at their quotas.)
-- Any other multi-node cluster: the torchrun command for each node is printed.
+  static rendezvous at node 0's address (its store listens there only); each worker joins
+  its device's cgroup. Without root, plain local processes run instead (correctness only)
+  and a note says so (a one-node emulated cluster too: as plain local processes its devices
+  would compute at a whole CPU each, not at their quotas).
+- Any other multi-node cluster: the torchrun command for each node is printed, with the
+  addresses and interface left for the user to fill in.
+
+torchrun's own log directories go under the run's work directory (`--log-dir`), not
+/tmp/torchelastic_*, and go with it. The ranks get the sha256 of the plan file the launcher
+validated (runtime.plan_handoff) and refuse a file that changed since.
 
 Every node's torchrun runs as an agent (runtime.agent: torchrun that dies with the launcher,
 records its workers' failures, and on node 0 keeps the rendezvous store up until the other
@@ -48,12 +55,14 @@ import torch
 
 from instruction_set.cluster import ClusterSpec
 from instruction_set.plan import Plan, PlanShape, save_plan
+from instruction_set.precision import lowered_ops_recorded
 from runtime import emulation, heartbeat, runstate
 from runtime.check import Comparison, compare, dtype_tolerances
 from runtime.checkpoint import check_resume, read_checkpoint
 from runtime.config import TrainConfig
 from runtime.outputs import check_outputs
 from runtime.pipeline.run import check_pipeline_args
+from runtime.plan_handoff import PLAN_ENV, validated_digest
 from runtime.runstate import RunRecord
 from runtime.train import plan_reference
 
@@ -120,14 +129,19 @@ def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str |
 
 
 def node_commands(plan: Plan, plan_path: str, opts: RunOptions) -> list[str]:
-    """One torchrun command per node of a multi-node cluster."""
-    n = len(plan.cluster.nodes)
+    """One torchrun command per node of a multi-node cluster; the addresses and gloo's
+    interface (the network the nodes share, GLOO_SOCKET_IFNAME) are the user's to fill in.
+    Node 0's torchrun runs as runtime.agent with --bind-store, so that the rendezvous store
+    (no authentication) listens on the address given there only, not on every interface."""
+    n, first = len(plan.cluster.nodes), plan.cluster.nodes[0].name
     out = []
     for i, node in enumerate(plan.cluster.nodes):
         args = " ".join(worker_args(plan_path, opts, "report.json", None))
+        torchrun = "python -m runtime.agent --bind-store -- " if i == 0 else "torchrun "
         out.append(f"# node {node.name} ({len(node.devices)} devices)\n"
-                   f"torchrun --nnodes {n} --node-rank {i} --nproc-per-node {len(node.devices)} "
-                   f"--master-addr <address of node {plan.cluster.nodes[0].name}> --master-port 29500 {args}")
+                   f"GLOO_SOCKET_IFNAME=<interface of node {node.name} toward node {first}> "
+                   f"{torchrun}--nnodes {n} --node-rank {i} --nproc-per-node {len(node.devices)} "
+                   f"--master-addr <address of node {first} on that network> --master-port 29500 {args}")
     return out
 
 
@@ -145,6 +159,8 @@ class Failure:
 
 
 BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+LOOPBACK = "127.0.0.1"  # where the store of a run on this machine listens
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}  # and its process groups' sockets
 SETTLE_S = 2.0      # after a failure is found, how long the agents get to stop by themselves
 WATCHDOG_S = 2.0    # a rank without a heartbeat for timeout + this is stopped by the launcher
 POLL_S = 0.1
@@ -166,51 +182,65 @@ def recorded_run() -> Iterator[tuple[RunRecord, Path]]:
             emulation.restore_signals(handlers)
 
 
-def launch(cluster: ClusterSpec, module_args: list[str], *, timeout_s: float = 900.0) -> tuple[int, Failure | None]:
+def launch(cluster: ClusterSpec, module_args: list[str], *, timeout_s: float = 900.0,
+           plans: dict[str, str] | None = None) -> tuple[int, Failure | None]:
     """Run `python <module_args>` on every device of a cluster that runs here; returns (exit
     status, the failure: the rank named and its own message). Emulated when the spec asks
     and root allows. `timeout_s`: the workers' collective timeout (the launcher stops a rank
-    whose heartbeat stops for that long plus WATCHDOG_S)."""
+    whose heartbeat stops for that long plus WATCHDOG_S). `plans`: plan path -> the sha256
+    its ranks must find (runtime.plan_handoff)."""
     with recorded_run() as (record, workdir):
-        return launch_in(record, workdir, cluster, module_args, timeout_s=timeout_s)
+        return launch_in(record, workdir, cluster, module_args, timeout_s=timeout_s, plans=plans)
 
 
 def launch_in(record: RunRecord, workdir: Path, cluster: ClusterSpec, module_args: list[str], *,
-              timeout_s: float) -> tuple[int, Failure | None]:
+              timeout_s: float, plans: dict[str, str] | None = None) -> tuple[int, Failure | None]:
     """launch() inside a recorded run and its work directory."""
     status = workdir / "status"
     status.mkdir()
-    env = os.environ | BASE_ENV | {heartbeat.ENV: str(status)}
+    env = os.environ | BASE_ENV | {heartbeat.ENV: str(status)} | ({PLAN_ENV: json.dumps(plans)} if plans else {})
     torchrun = ["--monitor-interval=0.5", *module_args]
     if cluster.emulation is not None:
         reason = emulation.unavailable()
         if reason is None:
-            with emulation.Emulation(cluster, record=record) as emu:
-                env |= {"GLOO_SOCKET_IFNAME": emulation.IFACE, emulation.ENV: emu.rank_env()}
-                agents = [_start(record, workdir, i, emu.in_node(i, _agent(workdir, i, [
-                    f"--nnodes={len(cluster.nodes)}", f"--node-rank={i}", f"--nproc-per-node={len(node.devices)}",
-                    f"--master-addr={emu.address(0)}", "--master-port=29500", *torchrun],
-                    hold_store=i == 0 and len(cluster.nodes) > 1)), env)
-                    for i, node in enumerate(cluster.nodes)]
-                return supervise(record, agents, workdir, cluster.num_devices, timeout_s)
+            return _emulated(record, workdir, cluster, torchrun, env, timeout_s)
         log.warning("note: not emulating %r (%s); running unshaped local processes (correct results, no "
                     "link shaping or CPU quotas)", cluster.name, reason)
-    agent = _start(record, workdir, 0, _agent(workdir, 0, ["--standalone", f"--nproc-per-node={cluster.num_devices}",
-                                                        *torchrun]), env)
+    local = ["--nnodes=1", "--node-rank=0", f"--nproc-per-node={cluster.num_devices}", f"--master-addr={LOOPBACK}",
+             "--master-port=0", *torchrun]
+    agent = _start(record, workdir, 0, _agent(workdir, 0, local, "--bind-store"), env | LOOPBACK_ENV)
     return supervise(record, [agent], workdir, cluster.num_devices, timeout_s)
 
 
-def launch_checked(cluster: ClusterSpec, module_args: list[str], what: str, *, timeout_s: float = 900.0) -> None:
+def _emulated(record: RunRecord, workdir: Path, cluster: ClusterSpec, torchrun: list[str], env: dict[str, str],
+              timeout_s: float) -> tuple[int, Failure | None]:
+    """launch_in() on the emulated cluster: one agent per node in its namespace; node 0's
+    hosts the store on its own address (and, with other nodes, holds it: runtime.agent)."""
+    n = len(cluster.nodes)
+    with emulation.Emulation(cluster, record=record) as emu:
+        env = env | {"GLOO_SOCKET_IFNAME": emulation.IFACE, emulation.ENV: emu.rank_env()}
+        agents = [_start(record, workdir, i, emu.in_node(i, _agent(workdir, i, [
+            f"--nnodes={n}", f"--node-rank={i}", f"--nproc-per-node={len(node.devices)}",
+            f"--master-addr={emu.address(0)}", "--master-port=29500", *torchrun],
+            None if i else "--hold-store" if n > 1 else "--bind-store")), env)
+            for i, node in enumerate(cluster.nodes)]
+        return supervise(record, agents, workdir, cluster.num_devices, timeout_s)
+
+
+def launch_checked(cluster: ClusterSpec, module_args: list[str], what: str, *, timeout_s: float = 900.0,
+                   plans: dict[str, str] | None = None) -> None:
     """launch(), raising RunFailed(`<what> failed: rank N failed: <its error>`) when it fails."""
-    rc, failure = launch(cluster, module_args, timeout_s=timeout_s)
+    rc, failure = launch(cluster, module_args, timeout_s=timeout_s, plans=plans)
     if rc != 0:
         raise RunFailed(f"{what} failed: {failure or f'exit status {rc}'}")
 
 
-def _agent(workdir: Path, node: int, torchrun: list[str], hold_store: bool = False) -> list[str]:
+def _agent(workdir: Path, node: int, torchrun: list[str], store: str | None = None) -> list[str]:
+    """An agent's command; `store`: --bind-store or --hold-store for the node hosting the
+    store. torchrun's logs go under the work directory (not /tmp/torchelastic_*)."""
     return [sys.executable, "-m", "runtime.agent", "--parent", str(os.getpid()),
-            "--failures", str(workdir / f"failures{node}.json"), *(["--hold-store"] if hold_store else []),
-            "--", *torchrun]
+            "--failures", str(workdir / f"failures{node}.json"), *([store] if store else []),
+            "--", f"--log-dir={workdir / f'torchelastic{node}'}", *torchrun]
 
 
 def _start(record: RunRecord, workdir: Path, node: int, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -329,10 +359,12 @@ def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str)
     resumed run, from the same checkpoint (both cast to `dtype`)."""
     config = dataclasses.replace(opts.train, dtype=dtype if dtype != plan.model.dtype else None)
     run = json.loads(Path(report).read_text())
-    losses, expected = plan_reference(plan, config, read_checkpoint(opts.resume) if opts.resume else None)
+    with lowered_ops_recorded() as lowered:  # ops without a `dtype` kernel (runtime.check)
+        losses, expected = plan_reference(plan, config, read_checkpoint(opts.resume) if opts.resume else None)
     tolerances = dtype_tolerances(dtype, opts.train.optimizer, opts.train.lr, opts.steps - run.get("first_step", 0),
-                                  opts.tolerance)
-    return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances)
+                                  opts.tolerance, lowered)
+    return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances,
+                   lowered)
 
 
 @dataclass(frozen=True)
@@ -352,9 +384,10 @@ class RunResult:
 
 
 def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
-           dtype: str | None) -> tuple[RunResult, str, str]:
+           dtype: str | None, digest: str) -> tuple[RunResult, str, str]:
     """One run of the plan (in `dtype`, None: as planned) in its own directory under the run's
-    work directory; (its result, report, parameters and buffers)."""
+    work directory, its ranks held to the plan file's `digest`; (its result, report,
+    parameters and buffers)."""
     tag = dtype or "plan"
     (workdir / tag).mkdir()
     report = opts.report if opts.report and dtype is None else str(workdir / tag / "report.json")
@@ -364,7 +397,7 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     started = time.monotonic()
     rc, failure = launch_in(record, workdir / tag, plan.cluster,
                             worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype),
-                            timeout_s=opts.timeout_s)
+                            timeout_s=opts.timeout_s, plans={plan_path: digest})
     if rc == 0:
         return RunResult(0), report, params_out
     why = f"{failure or f'exit status {rc}'}; the other ranks were stopped ({time.monotonic() - started:.1f} s after the start)"
@@ -372,12 +405,12 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
 
 
 def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
-           first: tuple[str, str]) -> RunResult:
+           first: tuple[str, str], digest: str) -> RunResult:
     """Compare the run as planned (information unless float64) and the float64 twin (decides)."""
     results = [_compare(plan, opts, *first, plan.model.dtype)]
     if plan.model.dtype != "float64":
         log.info("check: running the plan's float64 twin (same program, float64 tensors)")
-        twin, report, params = _train(plan, plan_path, opts, record, workdir, "float64")
+        twin, report, params = _train(plan, plan_path, opts, record, workdir, "float64", digest)
         if twin.rc != 0:
             return dataclasses.replace(twin, comparisons=tuple(results))
         results.append(_compare(plan, opts, report, params, "float64"))
@@ -393,7 +426,9 @@ def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> RunResult:
         if plan_path is None:
             plan_path = str(workdir / "plan.json")
             save_plan(plan, plan_path)
-        result, report, params = _train(plan, plan_path, opts, record, workdir, None)
+        digest = validated_digest(plan, plan_path)
+        result, report, params = _train(plan, plan_path, opts, record, workdir, None, digest)
         if result.rc != 0 or not opts.check:
             return result
-        return _check(plan, plan_path, opts, record, workdir, (report, params))
+        return _check(plan, plan_path, opts, record, workdir, (report, params), digest)
+

@@ -1,27 +1,31 @@
 """The life of one rank under torchrun, shared by every worker entry point (training, the
 profiler, the plan comparison, the collectives benchmark).
 
-`run_rank(body, timeout_s=...)`: start this rank's heartbeat (runtime.heartbeat: a status
-file the launcher watches), join this rank's emulated device when there is one
-(runtime.emulation), one torch thread per OMP_NUM_THREADS, create the default process group
-(NCCL on a GPU, gloo on CPU) with the collective timeout, run `body(rank, device)`, then a
-barrier and teardown. Logging prints with the rank in front (runtime.logs). Any exception
-logs `rank N failed: <type>: <message>` on stderr and
-goes into the status file (the launcher's failure line carries it; HETSYNTH_DEBUG=1 adds the
+`run_rank(body, timeout_s=...)`: die with this rank's agent (PR_SET_PDEATHSIG SIGKILL, so a
+stopped rank of a killed launcher goes too: runtime.agent), start this rank's heartbeat
+(runtime.heartbeat: a status file the launcher watches), join this rank's emulated device
+when there is one (runtime.emulation), one torch thread per OMP_NUM_THREADS, create the
+default process group (NCCL on a GPU, gloo on CPU) with the collective timeout, run
+`body(rank, device)`, then a barrier and teardown. Logging prints with the rank in front
+(runtime.logs). Any exception logs `rank N failed: <type>: <message>` on stderr and goes
+into the status file (the launcher's failure line carries it; HETSYNTH_DEBUG=1 adds the
 traceback) and the exit status is 1, so the other ranks fail their next collective within
 the timeout.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from runtime.agent import AGENT_ENV, PR_SET_PDEATHSIG
 from runtime.emulation import join_device
 from runtime.heartbeat import Heartbeat
 from runtime.logs import configure_rank_logging
@@ -42,6 +46,7 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
              device: torch.device | None = None) -> int:
     """Run `body` on this rank (see the module docstring); returns the exit status.
     `device` overrides rank_device() (the CPU-only tools)."""
+    die_with_agent()
     rank = int(os.environ.get("RANK", "0"))
     configure_rank_logging(rank)
     beat = Heartbeat(rank).start()
@@ -61,3 +66,13 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
         beat.finish("failed", message)
         log.error("failed: %s", message, exc_info=bool(os.environ.get("HETSYNTH_DEBUG")))
         return 1
+
+
+def die_with_agent() -> None:
+    """SIGKILL this rank when its agent (AGENT_ENV) exits, and at once if it already has."""
+    agent = os.environ.get(AGENT_ENV)
+    if not agent:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != int(agent):
+        os.kill(os.getpid(), signal.SIGKILL)

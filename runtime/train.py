@@ -17,11 +17,14 @@
   issued asynchronously after the forward pass and waited at the end of the step.
 - Buffers the forward updates (BatchNorm statistics, counters) are written after the backward
   pass with the new values the program returns (replicated: the same on every rank).
+- A global loss or gradient norm that is not finite stops training at that step
+  (NonFiniteError): every rank sees the same all-reduced values, so every rank stops there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -66,13 +69,54 @@ class Trainer:
     zero: ZeroState | None = None  # the ZeRO-1 parameters' rows (runtime.zero)
 
 
+class NonFiniteError(RuntimeError):
+    """Training produced a loss or gradient norm that is not finite; the message names the step."""
+
+
+def check_finite(step: int, **values: float) -> None:
+    """NonFiniteError naming the step (1-based, as the step log counts) and each value of
+    `values` (loss=..., gradient_norm=...) that is NaN or infinite."""
+    bad = [f"the {name.replace('_', ' ')} is {value}" for name, value in values.items() if not math.isfinite(value)]
+    if bad:
+        raise NonFiniteError(f"step {step + 1}: {', '.join(bad)}; training stopped (a smaller --lr, or "
+                             f"--max-grad-norm, may help; or the model or its data make it)")
+
+
+class ModelMismatchError(ValueError):
+    """The model built on a rank lacks a parameter or buffer of the plan, or holds it in another
+    shape or dtype: the model changed since it was planned."""
+
+
+def check_state(plan: Plan, state: dict[str, torch.Tensor]) -> None:
+    """ModelMismatchError naming the first parameter or stored buffer of the plan's graph that
+    the model built here (`state`, full_state's) lacks or holds in another shape or dtype. The
+    launcher compares whole graphs before the ranks start (planner.model_check); this is the
+    ranks' own check, for ranks started by hand on other machines."""
+    for node in plan.graph.nodes:
+        if node.op not in ("param", "buffer") or not node.fqn or node.value is not None:
+            continue
+        here = state.get(node.fqn)
+        found = None if here is None else (tuple(here.shape), str(here.dtype).removeprefix("torch."))
+        if found != (node.out.shape, node.out.dtype):
+            what = "is missing" if found is None else f"is {found[0]} {found[1]}"
+            raise ModelMismatchError(f"model {plan.model.ref!r} changed since it was planned: its {node.op} "
+                                     f"{node.fqn!r} {what} here, {node.out.shape} {node.out.dtype} in the plan; "
+                                     f"make a new plan (hetsynth plan)")
+
+
 def full_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Whole parameters and buffers of the model, from its own initialisation."""
+    return initial_state(spec, seed)[0]
+
+
+def initial_state(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """full_state and the names of the parameters among its entries (from the same module:
+    a user's factory is not run again, on the meta device, to learn them)."""
     torch.manual_seed(seed)
     module = spec.build("cpu")
-    state = dict(module.named_parameters(remove_duplicate=False))
-    state.update(dict(module.named_buffers(remove_duplicate=False)))
-    return {k: v.detach() for k, v in state.items()}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    state = params | dict(module.named_buffers(remove_duplicate=False))
+    return {k: v.detach() for k, v in state.items()}, set(params)
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
@@ -89,9 +133,10 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     spec = spec or parse_model_ref(plan.model.ref)
     if config.dtype is not None:
         plan, spec = with_float_dtype(plan, config.dtype), with_dtype(spec, config.dtype)
-    state = full_state(spec, config.seed)
+    state, param_names = initial_state(spec, config.seed)
+    check_state(plan, state)
     program = build_rank_program(plan, groups, state=state, device=device)
-    buffers = {k: v for k, v in state.items() if k not in _param_names(spec)}
+    buffers = {k: v for k, v in state.items() if k not in param_names}
     del state  # no rank keeps whole copies of the parameters
     sync = _gradient_sync(plan, program, groups)
     zero = ZeroState.build(program.module, plan, groups, sync)
@@ -105,10 +150,6 @@ def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> Gradient
     buckets = plan.buckets()
     rows = plan.state_shards.rows if plan.state_shards is not None else None
     return GradientSync.build(program.module, buckets, groups, rows) if buckets else None
-
-
-def _param_names(spec: ModelSpec) -> set[str]:
-    return {n for n, _ in spec.build("meta").named_parameters(remove_duplicate=False)}
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -208,13 +249,17 @@ def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) 
     if trainer.on_gradients is not None:
         trainer.on_gradients()
     if trainer.config.max_grad_norm is not None:
-        clip_global_norm(trainer, trainer.config.max_grad_norm)
+        norm = clip_global_norm(trainer, trainer.config.max_grad_norm)
+        if not math.isfinite(norm):  # before the update; the loss names the cause when it is the culprit
+            loss_work.wait()
+            check_finite(step, loss=float(total), gradient_norm=norm)
     trainer.optimizer.step()
     if trainer.zero is not None:
         trainer.zero.after_step()
     _zero_unbucketed(trainer)
     marks.append(("update", time.perf_counter()))
     loss_work.wait()
+    check_finite(step, loss=float(total))
     marks.append(("loss", time.perf_counter()))
     phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
     entry = StepLog(float(total), marks[-1][1] - marks[0][1], phases, buckets)
@@ -320,6 +365,7 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor
     return out
 
 
-__all__ = ["Any", "TrainConfig", "Trainer", "assemble", "clip_global_norm", "full_state", "local_batch",
+__all__ = ["Any", "ModelMismatchError", "NonFiniteError", "check_state", "TrainConfig", "Trainer", "assemble", "check_finite", "clip_global_norm",
+           "full_state", "initial_state", "local_batch",
            "local_parameters", "model_buffers", "reference_training", "setup", "train_step",
            "update_buffers"]

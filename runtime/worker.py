@@ -27,13 +27,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from instruction_set.plan import PlanShape, load_plan
-from runtime.checkpoint import load_checkpoint, save_checkpoint
+from instruction_set.files import write_atomic
+from instruction_set.plan import PlanShape
+from runtime.checkpoint import load_checkpoint, save_atomic, save_checkpoint
 from runtime.config import add_train_arguments, train_config
 from runtime.groups import Groups
 from runtime.memory_report import RankMemory, as_json, format_report, measure_step
 from runtime.outputs import check_outputs
 from runtime.pipeline.run import run_pipeline
+from runtime.plan_handoff import load_rank_plan
 from runtime.rank import run_rank
 from runtime.timing import StepTracer
 from runtime.train import StepLog, Trainer, assemble, local_parameters, model_buffers, setup, train_step
@@ -123,14 +125,14 @@ def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start
         gathered = [None] * dist.get_world_size() if trainer.groups.rank == 0 else None
         dist.gather_object(local_parameters(trainer), gathered, dst=0, group=trainer.groups.group("all"))
         if trainer.groups.rank == 0:
-            torch.save(assemble(trainer.plan, gathered) | model_buffers(trainer), args.params_out)
+            save_atomic(assemble(trainer.plan, gathered) | model_buffers(trainer), args.params_out)
     if trainer.groups.rank == 0 and args.report:
         times = [e["seconds"] for e in steps[1:]] or [e["seconds"] for e in steps]
-        with open(args.report, "w") as f:
-            json.dump({"first_step": start, "losses": [e["loss"] for e in steps],
-                       "step_seconds": [e["seconds"] for e in steps],
-                       "median_step_s": statistics.median(times) if times else None,
-                       "world_size": dist.get_world_size()} | ({"memory": memory} if memory else {}), f)
+        write_atomic(args.report, json.dumps({"first_step": start, "losses": [e["loss"] for e in steps],
+                                              "step_seconds": [e["seconds"] for e in steps],
+                                              "median_step_s": statistics.median(times) if times else None,
+                                              "world_size": dist.get_world_size()}
+                                             | ({"memory": memory} if memory else {})))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(rank: int, device: torch.device) -> None:
         if rank == 0:  # before any work: a bad path must not cost the run
-            check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out})
-        plan = load_plan(args.plan)
+            check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out},
+                          inputs={"--plan": args.plan, "--resume": args.resume})
+        plan = load_rank_plan(args.plan)
         if plan.shape is PlanShape.PIPELINE:
             run_pipeline(plan, rank, args, _inject)
             return
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = _train(trainer, args, start, tracer, memory)
         _finish(trainer, args, steps, start, _memory_report(trainer, args, memory))
         if tracer is not None:
-            Path(args.trace_raw, f"rank{rank}.json").write_text(json.dumps(tracer.record()))
+            write_atomic(Path(args.trace_raw, f"rank{rank}.json"), json.dumps(tracer.record()))
 
     return run_rank(body, timeout_s=args.timeout)
 

@@ -230,3 +230,107 @@ def test_hopeless_memory_fails_fast(tmp_path: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "no plan fits in memory" in err and "need 23.21 GiB" in err and "hold 16 GiB in all" in err, err
     assert time.perf_counter() - start < 15 and not (tmp_path / "out" / "plan.json").exists()
+
+
+# Inputs that pass the schema but that training, the solvers or the parsers cannot take (issue 36,
+# validation at the door): each is refused when it is read or planned, never on the ranks.
+DOOR_MODEL = MODEL + """
+import sys
+class IntLoss(M):
+    def forward(self, x):
+        return (self.l(x) > 0).sum()
+class Detached(M):
+    def forward(self, x):
+        return self.l(x).sum().detach()
+class NoParams(torch.nn.Module):
+    def forward(self, x):
+        return x.sum()
+def exits(**kw):
+    sys.exit(0)
+def base_exception(**kw):
+    raise BaseException("not an Exception")
+def int_loss(**kw):
+    return IntLoss(), (torch.zeros(3, 4),)
+def detached(**kw):
+    return Detached(), (torch.zeros(3, 4),)
+def no_params(**kw):
+    return NoParams(), (torch.zeros(3, 4),)
+def frozen(**kw):
+    return M().requires_grad_(False), (torch.zeros(3, 4),)
+"""
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _bytes(tmp: Path, name: str, data: bytes) -> str:
+    (tmp / name).write_bytes(data)
+    return str(tmp / name)
+
+DOOR_CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
+    ("factory sys.exit(0)", lambda t, p: PLAN + [f"{t}/door.py:exits", "-o", _out(t)], "exits() raised SystemExit: 0"),
+    ("factory BaseException", lambda t, p: PLAN + [f"{t}/door.py:base_exception", "-o", _out(t)],
+     "raised BaseException: not an Exception"),
+    ("integer loss", lambda t, p: PLAN + [f"{t}/door.py:int_loss", "-o", _out(t)],
+     "the loss has dtype int64; it must be a floating-point scalar"),
+    ("detached loss", lambda t, p: PLAN + [f"{t}/door.py:detached", "-o", _out(t)],
+     "the loss (float32 scalar) does not depend on any trainable parameter"),
+    ("no parameters", lambda t, p: PLAN + [f"{t}/door.py:no_params", "-o", _out(t)],
+     "the model (NoParams) has no parameters"),
+    ("frozen parameters", lambda t, p: PLAN + [f"{t}/door.py:frozen", "-o", _out(t)],
+     "has no trainable parameters: its 2 parameter tensor(s) (5 elements) all have requires_grad=False"),
+    ("hidden=10**30", lambda t, p: ["inspect", "--model", f"gpt:tiny,hidden={10**30}"],
+     f"gpt:tiny,hidden={10**30}: the model cannot be built at these sizes"),
+    ("batch=10**20", lambda t, p: PLAN + [f"gpt:tiny,batch_size={10**20}", "-o", _out(t)],
+     "the model cannot be built at these sizes"),
+    ("memory 1e308", lambda t, p: ["inspect", "--cluster", _spec(t, "memory_gib = 4", "memory_gib = 1e308")],
+     "memory_gib = 1e+308: must be in [1e-06, 1e+06] GiB"),
+    ("throughput 1e-300", lambda t, p: PLAN[:2] + [_spec(t, "throughput_flops = 20e9", "throughput_flops = 1e-300"),
+                                                   "--model", "gpt:tiny", "-o", _out(t)],
+     "throughput_flops = 1e-300: must be in [1000, 1e+21] FLOP/s"),
+    ("bandwidth 1e-30", lambda t, p: ["inspect", "--cluster", _spec(t, "inter_node_bandwidth_gbps = 0.2",
+                                                                   "inter_node_bandwidth_gbps = 1e-30")],
+     "inter_node_bandwidth_gbps = 1e-30: must be in [1e-06, 1e+07] Gbit/s"),
+    ("latency 1e300", lambda t, p: ["inspect", "--cluster", _spec(t, "inter_node_latency_us = 300",
+                                                                 "inter_node_latency_us = 1e300")],
+     "inter_node_latency_us = 1e+300: must be in [0, 1e+08] us"),
+    ("deep JSON spec", lambda t, p: ["inspect", "--cluster", _file(t, "deep.json", DEEP)],
+     "deep.json: nested too deeply"),
+    ("deep TOML spec", lambda t, p: ["inspect", "--cluster", _file(t, "deep.toml", f"name = {DEEP}\n")],
+     "deep.toml: nested too deeply"),
+    ("deep plan", lambda t, p: ["explain", _file(t, "deep-plan.json", DEEP)], "deep-plan.json: nested too deeply"),
+    ("binary spec", lambda t, p: ["inspect", "--cluster", _bytes(t, "bin.toml", b"\xff\xfe name")],
+     "bin.toml: cannot read it"),
+    ("--lr inf", lambda t, p: ["run", _same(t, p), "--steps", "1", "--lr", "inf"],
+     "--lr inf: give a positive, finite learning rate"),
+    ("--lr nan", lambda t, p: ["run", _same(t, p), "--steps", "1", "--lr", "nan"], "--lr nan"),
+    ("--weight-decay inf", lambda t, p: ["run", _same(t, p), "--steps", "1", "--weight-decay", "inf"],
+     "--weight-decay inf: give a finite number >= 0"),
+    ("--max-grad-norm inf", lambda t, p: ["run", _same(t, p), "--steps", "1", "--max-grad-norm", "inf"],
+     "--max-grad-norm inf: give a positive, finite norm, or none"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", [(c[1], c[2]) for c in DOOR_CASES], ids=[c[0] for c in DOOR_CASES])
+def test_unusable_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], needle: str, valid_plan: dict,
+                                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "door.py").write_text(DOOR_MODEL)
+    test_bad_input_is_an_error_message(argv, needle, valid_plan, tmp_path, capsys)
+
+
+def test_unreadable_inputs_are_an_error_message(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spec or plan this user may not read (a PermissionError as a non-root user; simulated,
+    since root reads anything)."""
+    spec, plan = Path(_file(tmp_path, "spec.toml", EMULATED.read_text())), Path(_file(tmp_path, "plan.json", "{}"))
+    real = Path.read_text
+
+    def read_text(self: Path, *args, **kwargs) -> str:
+        if self.name in (spec.name, plan.name):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    for argv, needle in ((["inspect", "--cluster", str(spec)], f"cluster spec {spec}: cannot read it: [Errno 13]"),
+                         (["explain", str(plan)], f"plan file {plan}: cannot read it: [Errno 13]")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and "Traceback" not in err, err

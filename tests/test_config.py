@@ -3,6 +3,8 @@ defaults, TrainConfig's, and a config survives the launcher's command line."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hetsynth.cli import build_parser
@@ -22,8 +24,11 @@ def test_a_config_round_trips_through_the_worker_flags() -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("lr", 0.0, "--lr 0: give a positive learning rate"),
-    ("max_grad_norm", -1.0, "--max-grad-norm -1.0: give a positive norm, or none"),
+    ("lr", 0.0, "--lr 0: give a positive, finite learning rate"),
+    ("lr", math.inf, "--lr inf: give a positive, finite learning rate"),
+    ("weight_decay", math.nan, "--weight-decay nan: give a finite number >= 0"),
+    ("max_grad_norm", -1.0, "--max-grad-norm -1.0: give a positive, finite norm, or none"),
+    ("max_grad_norm", math.inf, "--max-grad-norm inf: give a positive, finite norm, or none"),
     ("optimizer", "adam", "--optimizer adam: use one of adamw, sgd"),
     ("steps", -2, "--steps -2: give a number >= 0"),
 ])

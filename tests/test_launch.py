@@ -99,7 +99,24 @@ def test_multi_node_cluster_prints_node_commands(tmp_path: Path) -> None:
     hetsynth.save_plan(plan, path)
     out = hetsynth_cli("run", str(path), "--steps", "2")
     assert out.returncode == 0
-    assert out.stdout.count("torchrun --nnodes 2") == 2 and "--node-rank 1" in out.stdout
+    assert out.stdout.count("torchrun --nnodes 2") == 1 and "--node-rank 1" in out.stdout
+    # node 0 hosts the store through the agent that binds it to the address given only
+    node0 = next(line for line in out.stdout.splitlines() if "--node-rank 0" in line)
+    assert "python -m runtime.agent --bind-store -- --nnodes 2" in node0
+
+
+def test_a_node_command_agent_parses_without_a_launcher() -> None:
+    """The printed node-0 command's agent: no --parent (nothing to die with), no --failures."""
+    from torch.distributed.run import parse_args
+
+    from runtime import agent
+
+    argv = ["--bind-store", "--", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+            "--master-addr", "127.0.0.1", "--master-port", "0", "-m", "runtime.worker"]
+    args = agent.parse(argv)
+    assert args.parent is None and args.failures is None and args.bind_store
+    torchrun = parse_args(args.torchrun[1:])
+    assert torchrun.master_addr == "127.0.0.1" and torchrun.nnodes == "2"
 
 
 def test_explain_prints_program_and_shards(plan_file: str) -> None:

@@ -134,9 +134,15 @@ class ConvNorms(nn.Module):
 
 
 class Indexing(nn.Module):
-    """Advanced indexing, variance, scatter_add, repeat, slice_scatter (as T5's shift right)."""
+    """Advanced indexing, variance, scatter_add, repeat, slice_scatter (as T5's shift right);
+    one scale parameter, since a model with nothing to train is refused at capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        x = x * self.scale
         b, s, h = x.shape
         picked = x[torch.arange(b), idx % s]
         scattered = torch.zeros_like(x).scatter_add(1, (idx % s)[:, None, None].expand(b, 1, h), x[:, :1])

@@ -4,6 +4,7 @@ killed, its directories deleted) and the record with it; a live owner's record i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ def test_dead_runs_are_removed_live_ones_left(tmp_path: Path, monkeypatch: pytes
     kept = runstate.tempdir(live, "hetsynth-test-live-")
     dead = runstate.RunRecord.open()
     gone = runstate.tempdir(dead, "hetsynth-test-dead-")
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                               env=os.environ | {"HETSYNTH_STATUS": str(gone / "status")})  # as the launcher's
     dead.add("session", f"{sleeper.pid}:{runstate.start_ticks(sleeper.pid)}")
     owner = subprocess.Popen([sys.executable, "-c", "pass"])
     owner.wait()
@@ -41,3 +43,32 @@ def test_dead_runs_are_removed_live_ones_left(tmp_path: Path, monkeypatch: pytes
 def test_unknown_kind_fails_loudly() -> None:
     with pytest.raises(ValueError, match="unknown kind 'disk'"):
         runstate.remove([["disk", "/dev/sda"]])
+
+
+def test_a_record_that_cannot_be_cleaned_blocks_no_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first dead record's removal fails (a busy cgroup, say): it is kept for the next
+    try with a line saying why, and the record after it is still cleaned."""
+    monkeypatch.setenv("HETSYNTH_STATE_DIR", str(tmp_path / "state"))
+    records = [runstate.RunRecord.open() for _ in range(2)]
+    dirs = [runstate.tempdir(r, "hetsynth-test-dead-") for r in records]
+    owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    owner.wait()
+    for r in records:
+        r.path.write_text(json.dumps(json.loads(r.path.read_text()) | {"pid": owner.pid}))
+    real = runstate.REMOVERS["tempdir"]
+
+    def busy_first(name: str) -> None:
+        if name == str(dirs[0]):
+            raise OSError(16, f"cannot remove {name}: still busy")
+        real(name)
+
+    monkeypatch.setitem(runstate.REMOVERS, "tempdir", busy_first)
+    lines = runstate.remove_dead_runs()
+    failed = [line for line in lines if line.startswith(f"could not remove all that a dead run (pid {owner.pid}) left")]
+    assert len(failed) == 1 and "busy" in failed[0] and str(records[0].path) in failed[0], lines
+    assert [line for line in lines if line not in failed] == [
+        f"removed what a dead run (pid {owner.pid}) left: 1 temporary directory"]
+    assert records[0].path.exists() and dirs[0].exists() and not records[1].path.exists() and not dirs[1].exists()
+    monkeypatch.setitem(runstate.REMOVERS, "tempdir", real)
+    assert runstate.remove_dead_runs() == [f"removed what a dead run (pid {owner.pid}) left: 1 temporary directory"]
+    assert not dirs[0].exists()

@@ -12,8 +12,12 @@ initialisation (nothing is downloaded) and wrap it so that forward returns the l
   (SMALL: hidden 32, 2 layers, 4 heads, 2 key/value heads, FFN 64, vocabulary 128, images
   64 x 64 in patches of 8, two stages for hierarchical vision models), dropouts set to 0 (a
   random mask cannot be compared with single-device training), the KV cache off, attention
-  through scaled_dot_product_attention and mixture-of-experts layers through their eager
-  per-expert loop (transformers' fused grouped-matmul is a custom op without a rule).
+  through scaled_dot_product_attention. Mixture-of-experts models get EXPERTS: 4 experts, 2 per
+  token, expert FFNs of 64, and DeepSeek's low-rank attention and expert groups set small; their
+  experts run through transformers' `batched_mm` implementation (each token gathers its experts'
+  weights: row-wise in the tokens, so the batch splits, but a copy of the weights per token).
+  `experts=grouped_mm`, transformers' default, captures too (instruction_set.rules.moe): no
+  copies, but the tokens stay replicated around its grouped matmuls.
 - **Images of 64 pixels**: at 32, a network that downsamples 32-fold normalises its last
   stages over the batch's 8 values per channel alone; MobileNetV2 is then so ill-conditioned
   that in float64 the plain model and its own captured graph (the same math, rounded in
@@ -21,7 +25,7 @@ initialisation (nothing is downloaded) and wrap it so that forward returns the l
 - **Overrides.** The zoo's shared names map to the architecture's own attributes (`hidden`
   to hidden_size / d_model / n_embd / dim, `num_layers` to every layer count, `num_heads`,
   `num_kv_heads`, `ffn_hidden`, `vocab_size`, `head_dim`), plus `seq_len`, `batch_size`,
-  `image_size`, `num_labels`, `dtype`, `task`; any other key sets that config attribute
+  `image_size`, `num_labels`, `dtype`, `task`, `experts`; any other key sets that config attribute
   (converted to the type of its default), and a key the config does not have is an error.
   The own fields are validated like every zoo config (hetsynth.zoo.config: sizes >= 1, two
   labels or more, a float dtype, one of TASKS), and a task the architecture has no model for
@@ -69,7 +73,12 @@ SHARED: dict[str, tuple[str, ...]] = {
 SMALL = {"hidden": HIDDEN, "num_layers": LAYERS, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
          "ffn_hidden": FFN, "vocab_size": 128}
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
-OWN = ("seq_len", "batch_size", "image_size", "num_labels", "dtype", "task")
+EXPERTS = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+           "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "moe_intermediate_size": FFN,
+           "shared_expert_intermediate_size": FFN, "expert_ffn_hidden_size": FFN, "n_group": 1, "topk_group": 1,
+           "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+           "qk_nope_head_dim": 4, "v_head_dim": 8}
+OWN = ("seq_len", "batch_size", "image_size", "num_labels", "dtype", "task", "experts")
 _STAGES = {"depths": [1, 1], "hidden_sizes": [16, 32], "num_stages": 2, "embed_dim": 16, "window_size": 2,
            "patch_size": 8, "num_channels": 3, "rotary_dim": 4, "relative_attention_num_buckets": 8,
            "position_buckets": 8, "max_relative_positions": 16, "intermediate_size_mlp": FFN}
@@ -87,6 +96,7 @@ class HFAutoConfig:
     image_size: Count = 64
     num_labels: Pair = 10   # one label would make HuggingFace's heads regress on float labels
     dtype: FloatDType = "float32"
+    experts: Literal["batched_mm", "grouped_mm"] = "batched_mm"  # transformers' experts implementation
     attrs: dict[str, Any] = field(default_factory=dict)   # HuggingFace config attributes
 
     @property
@@ -165,6 +175,9 @@ def _small_attrs(base: Any, seq_len: int, image_size: int, num_labels: int) -> d
     for attr, value in _STAGES.items():
         if attr in have and isinstance(have[attr], list) == isinstance(value, list):
             attrs[attr] = value
+    # None: unset in the architecture's default config (DeepSeek-V2's experts per token)
+    attrs |= {attr: value for attr, value in EXPERTS.items()
+              if attr in have and isinstance(have[attr], (int, type(None)))}
     if isinstance(have.get("num_heads"), list):
         attrs["num_heads"] = [2, 4]
     for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"):
@@ -186,7 +199,18 @@ def _head_dim(have: dict[str, Any], given: set[str]) -> dict[str, int]:
     heads = next((have[a] for a in SHARED["num_heads"] if isinstance(have.get(a), int)), None)
     if attr is None or "head_dim" in given or attr in given or not hidden or not heads:
         return {}
+    if isinstance(have.get("qk_rope_head_dim"), int):  # DeepSeek's head_dim is its rotary part
+        return {attr: have["qk_rope_head_dim"]}
     return {attr: max(hidden // heads, 1)}
+
+
+def _latent_kv_heads(have: dict[str, Any], given: set[str]) -> dict[str, int]:
+    """Latent attention (DeepSeek's kv_lora_rank) expands keys and values to every head: one
+    key/value head per head, unless `num_kv_heads` was given."""
+    heads = next((have[a] for a in SHARED["num_heads"] if isinstance(have.get(a), int)), None)
+    if "kv_lora_rank" not in have or "num_kv_heads" in given or "num_key_value_heads" not in have or not heads:
+        return {}
+    return {"num_key_value_heads": heads}
 
 
 def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
@@ -207,7 +231,7 @@ def resolve(model_type: str, overrides: dict[str, str]) -> HFAutoConfig:
                              f"{', '.join(sorted(SHARED) + list(OWN))}, or any attribute of its config")
         for attr in targets:
             attrs[attr] = _coerce(key, text, have[attr])
-    attrs |= _head_dim(have | attrs, set(overrides))
+    attrs |= _head_dim(have | attrs, set(overrides)) | _latent_kv_heads(have | attrs, set(overrides))
     vocab = attrs.get("vocab_size", have.get("vocab_size"))
     for attr in _TOKEN_IDS:  # special tokens of the full vocabulary, moved into the small one
         if isinstance(vocab, int) and isinstance(have.get(attr), int) and attrs.get(attr, have[attr]) >= vocab:
@@ -233,8 +257,8 @@ def _input_names(task: str) -> tuple[str, str]:
 def _hf_config(cfg: HFAutoConfig) -> Any:
     """The architecture's config made with the attributes (its __init__ derives the rest)."""
     config = _base_config(cfg.model_type, **cfg.attrs)
-    if hasattr(config, "_experts_implementation"):  # plain matmuls per expert, not a fused custom op
-        config._experts_implementation = "batched_mm"
+    if hasattr(config, "_experts_implementation"):  # `experts`: see the module docstring
+        config._experts_implementation = cfg.experts
     if cfg.task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     return config

@@ -9,7 +9,8 @@ save  every rank sends (its stage, each parameter's storage layout and slice, th
       state of that slice, the buffers as its stage left them) to rank 0, which reassembles
       whole tensors from the first stage holding each parameter (a tied parameter several
       stages hold has the same value and state on each: their gradients are summed over the
-      holders before every step) and writes the file;
+      holders before every step) and writes the file (runtime.checkpoint.write_checkpoint:
+      with its checksums, whole or not at all);
 load  every rank checks the file (runtime.checkpoint.check_resume) and takes its slices under
       its stage's plan on the stage's sub-mesh.
 """
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint import (FORMAT, check_resume, load_buffers, model_state_dict, optimizer_settings,
-                                read_checkpoint, state_slices)
+from runtime.checkpoint import (check_resume, load_buffers, model_state_dict, optimizer_settings, read_checkpoint,
+                                state_slices, write_checkpoint)
 from runtime.codegen import local_slice
 from runtime.pipeline.trainer import PipelineTrainer, assemble, local_buffers, local_parameters
 
@@ -74,10 +75,10 @@ def save_pipeline_checkpoint(t: PipelineTrainer, path: str | Path, step: int) ->
     if gathered is not None:
         slices, states, buffers = ([g[i] for g in gathered] for i in range(3))
         params = assemble(t.plan, slices)
-        torch.save({"format": FORMAT, "model_ref": t.plan.model.ref, "step": step,
-                    "model": model_state_dict(t.spec, params, whole_buffers(t, buffers)),
-                    "optimizer": {"kind": t.config.optimizer, "settings": optimizer_settings(t.config),
-                                  "state": _whole_optimizer_state(t, slices, states)}}, path)
+        write_checkpoint(path, model_ref=t.plan.model.ref, step=step,
+                         model=model_state_dict(t.spec, params, whole_buffers(t, buffers)),
+                         optimizer={"kind": t.config.optimizer, "settings": optimizer_settings(t.config),
+                                    "state": _whole_optimizer_state(t, slices, states)})
     dist.barrier(group=t.world)
 
 

@@ -13,10 +13,11 @@ import statistics
 import time
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
+from instruction_set.files import write_atomic
 from instruction_set.plan import Plan
+from runtime.checkpoint import save_atomic
 from runtime.config import train_config
 from runtime.pipeline.checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint, whole_buffers
 from runtime.pipeline.trainer import assemble, local_buffers, local_parameters, setup, train_step
@@ -58,11 +59,10 @@ def run_pipeline(plan: Plan, rank: int, args: argparse.Namespace, inject: Callab
         dist.gather_object((local_parameters(trainer), local_buffers(trainer)), gathered, dst=0, group=dist.group.WORLD)
         if rank == 0:
             buffers = whole_buffers(trainer, [b for _, b in gathered])
-            torch.save(assemble(trainer.plan, [p for p, _ in gathered]) | buffers, args.params_out)
+            save_atomic(assemble(trainer.plan, [p for p, _ in gathered]) | buffers, args.params_out)
     if rank == 0 and args.report:
         times = [e["seconds"] for e in steps[1:]] or [e["seconds"] for e in steps]
-        with open(args.report, "w") as f:
-            json.dump({"first_step": start, "losses": [e["loss"] for e in steps],
-                       "step_seconds": [e["seconds"] for e in steps],
-                       "median_step_s": statistics.median(times) if times else None,
-                       "world_size": dist.get_world_size(), "shape": "pipeline"}, f)
+        write_atomic(args.report, json.dumps({"first_step": start, "losses": [e["loss"] for e in steps],
+                                              "step_seconds": [e["seconds"] for e in steps],
+                                              "median_step_s": statistics.median(times) if times else None,
+                                              "world_size": dist.get_world_size(), "shape": "pipeline"}))

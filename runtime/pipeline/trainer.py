@@ -41,7 +41,7 @@ from runtime.codegen import RankProgram, build_rank_program, local_slice
 from runtime.config import TrainConfig
 from runtime.groups import Groups, group_timeout
 from runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
-from runtime.train import full_state, make_optimizer, precision
+from runtime.train import check_finite, check_state, initial_state, make_optimizer, precision
 
 MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
 
@@ -106,14 +106,14 @@ def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> Pipeline
     groups = Groups.for_stages([stage_mesh(s) for s in pipeline.stages], rank, world=world)
     shared = _shared_groups(pipeline, rank, world)
     stage = pipeline.stage_of(rank)
-    state = full_state(spec, config.seed)
+    state, params = initial_state(spec, config.seed)
+    check_state(plan, state)
     programs: dict[int, RankProgram] = {}
     for b in sorted(stage.plans, reverse=True):
         programs[b] = build_rank_program(stage.plans[b], groups, state=state, outputs=_outputs(pipeline, stage))
         if len(programs) > 1:
             _share_parameters(programs[b], programs[max(programs)])
     optimizer = make_optimizer(list(programs[max(programs)].module.parameters()), config)
-    params = {n for n, _ in spec.build("meta").named_parameters(remove_duplicate=False)}
     buffers = {k: v for k, v in state.items() if k not in params}
     del state  # no rank keeps whole copies of the parameters
     return PipelineTrainer(plan, spec, stage, groups, world, programs, optimizer, config, shared, buffers)
@@ -308,7 +308,9 @@ def _owner(t: PipelineTrainer, fqn: str) -> bool:
     return False
 
 
-def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
+def clip_and_step(t: PipelineTrainer, loss: torch.Tensor, step: int) -> float:
+    """The global norm and loss (one all-reduce), clipping and the update; NonFiniteError
+    (runtime.train) before the update when either is not finite. Returns the global loss."""
     module = t.main.module
     sq = torch.zeros((), dtype=torch.float64)
     for p in t.main.params:
@@ -317,6 +319,7 @@ def clip_and_step(t: PipelineTrainer, loss: torch.Tensor) -> float:
             sq += grad.detach().to(torch.float64).pow(2).sum()
     both = torch.stack([sq, loss.to(torch.float64)])
     dist.all_reduce(both, group=t.world)
+    check_finite(step, loss=float(both[1]), gradient_norm=float(both[0].sqrt()))
     if t.config.max_grad_norm is not None:
         scale = t.config.max_grad_norm / (float(both[0].sqrt()) + 1e-6)
         grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -350,7 +353,7 @@ def train_step(t: PipelineTrainer, step: int) -> float:
         actions = time.perf_counter()
         sync_gradients(t)
         synced = time.perf_counter()
-        value = clip_and_step(t, loss)
+        value = clip_and_step(t, loss, step)
     end = time.perf_counter()
     t.phases = {"actions": actions - start, "gradient_sync": synced - actions, "update": end - synced,
                 **{f"actions.{k}": v for k, v in seconds_by_kind(events).items()}}
