@@ -25,16 +25,22 @@ __version__ = "0.1.0"
 
 
 def capture_model(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None = None, *,
-                  allow_replicate_fallback: bool = False) -> ReferenceGraph:
-    """Capture a model reference (`gpt:tiny`) or a module with its example inputs."""
+                  allow_replicate_fallback: bool = False, model_ref: str | None = None) -> ReferenceGraph:
+    """Capture a model reference (`gpt:tiny`) or a module with its example inputs. A module's
+    graph names it by `model_ref` (a reference that builds it, e.g. `net.py:make`, so that
+    `hetsynth run` can), or else by its class name."""
     from instruction_set.models import parse_model_ref
     from planner.capture import capture, capture_spec
 
+    if isinstance(model, str) and model_ref is not None:
+        raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
     if isinstance(model, str):
         return capture_spec(parse_model_ref(model), allow_replicate_fallback=allow_replicate_fallback)
     if example_inputs is None:
         raise ValueError("capture_model(module, example_inputs): example_inputs are required for a module")
-    return capture(model, example_inputs, model_ref=type(model).__name__,
+    if model_ref is not None:
+        parse_model_ref(model_ref)  # a reference that does not resolve fails here, not on the ranks
+    return capture(model, example_inputs, model_ref=model_ref or type(model).__name__,
                    allow_replicate_fallback=allow_replicate_fallback)
 
 
@@ -43,7 +49,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
-         fusion: bool = True, keep_unfit: bool = False, zero: str = "auto") -> Plan:
+         fusion: bool = True, keep_unfit: bool = False, zero: str = "auto", model_ref: str | None = None) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -55,7 +61,9 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     no program fits in memory, the one closest to fitting (`predicted.fits` False) instead of
     PlanInfeasible (a pipeline may still fit: `hetsynth plan` then tries stages). `zero`: "auto"
     shards training state (ZeRO-1/2/3) only where memory binds, "0" never, "1", "2" or "3" every
-    parameter that can be at that stage, at the state LP's rows (planner.zero)."""
+    parameter that can be at that stage, at the state LP's rows (planner.zero). `model_ref`: for a
+    module, the model reference recorded in the plan (capture_model), so that `hetsynth run` can
+    build it."""
     from instruction_set.models import parse_model_ref, with_overrides
     from planner.feasibility import check_memory_lower_bound
     from planner.planner import DP_SEED, make_plan
@@ -70,6 +78,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
     if num_devices is not None:
         spec = spec.first(num_devices)
+    if isinstance(model, str) and model_ref is not None:
+        raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
     if isinstance(model, str):
         ref = parse_model_ref(model)
         if batch_size is not None:
@@ -83,7 +93,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
             raise ValueError("plan(module, example_inputs, cluster): example_inputs are required")
         if batch_size is not None:
             raise ValueError("batch_size applies to model references; slice example_inputs instead")
-        graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback)
+        graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback,
+                              model_ref=model_ref)
         check_memory_lower_bound(graph, spec)
         if measure_ops:
             if any(t.is_meta for t in example_inputs):
@@ -129,5 +140,8 @@ def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,
     return measured_graph(ref, allow_replicate_fallback=allow_replicate_fallback, cluster=cluster)
 
 
-__all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_measured", "capture_model", "load_cluster", "load_plan",
-           "plan", "save_plan", "__version__"]
+from hetsynth import checkpoint, data  # noqa: E402 - the faces below use the functions above
+from hetsynth.parallelize import parallelize  # noqa: E402
+
+__all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_measured", "capture_model", "checkpoint", "data", "load_cluster",
+           "load_plan", "parallelize", "plan", "save_plan", "__version__"]

@@ -11,6 +11,9 @@ import sys
 from typing import Callable
 
 from hetsynth.commands import COMMANDS
+from hetsynth.checkpoint_commands import COMMANDS as _CHECKPOINT_COMMANDS
+
+COMMANDS = {**COMMANDS, **_CHECKPOINT_COMMANDS}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -209,6 +209,9 @@ def plan_run(args: argparse.Namespace) -> int:
 def run_args(p: argparse.ArgumentParser) -> None:
     """train with a plan: torchrun here, or the per-node torchrun commands"""
     p.add_argument("plan", help="plan file written by hetsynth plan")
+    p.add_argument("--model", help="build the model from this reference (path/file.py:factory, gpt:tiny, ...) "
+                                   "instead of the plan's own, e.g. for a plan made from a module (hetsynth.plan("
+                                   "module, ...) records its class name); it must capture to the plan's graph")
     add_train_arguments(p, skip=("dtype",))  # --check runs the float64 twin itself
     p.add_argument("--devices", type=int, help="run on the first N devices (plans again for them)")
     p.add_argument("--check", action="store_true",
@@ -241,8 +244,11 @@ def run_run(args: argparse.Namespace) -> int:
     from runtime.launch import RunOptions, preflight, run, runs_here
 
     plan, path = load_plan(args.plan), args.plan
+    if args.model is None:
+        check_model_resolves(plan)
     check_outputs({"--save": args.save, "--report": args.report, **trace_outputs(args.trace)},
-                  inputs={"PLAN": args.plan, "--resume": args.resume, "the plan's model": model_file(plan.model.ref)})
+                  inputs={"PLAN": args.plan, "--resume": args.resume,
+                          "--model" if args.model else "the plan's model": model_file(args.model or plan.model.ref)})
     if args.trace and not runs_here(plan.cluster):
         raise ValueError(f"--trace {args.trace!r}: cluster {plan.cluster.name!r} has {len(plan.cluster.nodes)} nodes "
                          f"and no emulation section, so its ranks run elsewhere; --trace needs a run on this machine")
@@ -253,8 +259,11 @@ def run_run(args: argparse.Namespace) -> int:
                           memory_report=args.memory_report)
         preflight(plan, opts)  # output paths and checkpoint, before any planning or training
         if args.devices is not None and args.devices != plan.cluster.num_devices:
-            plan, path = hetsynth.plan(plan.model.ref, cluster=plan.cluster.first(args.devices)), None
+            ref = args.model or plan.model.ref
+            plan, path = hetsynth.plan(ref, cluster=plan.cluster.first(args.devices)), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
+        elif args.model is not None:  # the plan with --model as its reference, written in the run's directory
+            plan, path = with_model_ref(plan, args.model), None
         else:  # a plan made earlier: its model must still be the model it was made for
             check_model_unchanged(plan)
         rc = show_run(run(plan, path, opts))
@@ -263,17 +272,80 @@ def run_run(args: argparse.Namespace) -> int:
     return rc
 
 
-def show_run(result: "RunResult") -> int:
-    """Print what `runtime.launch.run` did; its exit status."""
+def check_model_resolves(plan: "Plan") -> None:
+    """ValueError, before any rank starts, when the plan's model is a module's class name (a
+    plan made by hetsynth.plan(module, ...)) rather than a model reference the ranks can build."""
+    from instruction_set.models import ModelRefError, parse_model_ref
+
+    try:
+        parse_model_ref(plan.model.ref)
+    except ModelRefError:
+        if not plan.model.ref.isidentifier():  # a reference that no longer resolves says why itself
+            raise
+        raise ValueError(f"the plan's model {plan.model.ref!r} is not a model reference (the plan was made from a "
+                         f"module); give --model file.py:factory that builds it, or train it in your own script "
+                         f"with hetsynth.parallelize (hetsynth launch)") from None
+
+
+def with_model_ref(plan: "Plan", ref: str) -> "Plan":
+    """`plan` with its model reference replaced by `ref` (run --model), which must capture to
+    the graph the plan was made for (planner.model_check: ModelChangedError naming the first
+    difference otherwise)."""
+    from instruction_set.models import parse_model_ref
+    from planner.capture import capture_spec
+    from planner.model_check import ModelChangedError, first_difference
+
+    graph = capture_spec(parse_model_ref(ref), allow_replicate_fallback=bool(plan.graph.fallback_ops))
+    if graph.fingerprint != plan.model.fingerprint:
+        raise ModelChangedError(f"--model {ref}: not the model the plan was made for ({plan.model.ref!r}): "
+                                f"{first_difference(plan.graph, graph)}")
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"ref": ref}),
+                                   "graph": plan.graph.model_copy(update={"model_ref": ref})})
+
+
+def show_run(result: "RunResult", command: str = "run") -> int:
+    """Print what `runtime.launch.run` (or run_script, for `command` launch) did; its exit status."""
     if result.node_commands is not None:
         print(result.node_commands)
     if result.failure is not None:
-        print(f"hetsynth run: {result.failure}", file=sys.stderr)
+        print(f"hetsynth {command}: {result.failure}", file=sys.stderr)
     for r in result.comparisons[:-1]:
         print(f"check (information) {r.describe()}: {'within' if r.ok else 'beyond'} {r.dtype} tolerance")
     if result.checked is not None and result.failure is None:
         print(f"check: {result.checked.describe()}: {'OK' if result.checked.ok else 'FAILED'}")
     return result.rc
+
+
+LAUNCH_TIMEOUT_S = 60.0  # hetsynth run's default
+
+
+def launch_args(p: argparse.ArgumentParser) -> None:
+    """run your own training script on every rank of a plan's cluster (torchrun; on the emulated cluster when
+    the spec has one); each rank finds the plan file's absolute path in HETSYNTH_PLAN"""
+    p.add_argument("plan", help="plan file (hetsynth plan, or hetsynth.save_plan)")
+    p.add_argument("script", help="the Python script every rank runs, as `python SCRIPT ARGS`")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="the script's arguments, passed through untouched (--flags included)")
+    p.add_argument("--timeout", type=float,
+                   help="seconds a rank may go without a heartbeat (stopped, frozen) before the run stops, naming "
+                        "it (default 60), and the collective timeout of the process group hetsynth.parallelize "
+                        "creates (HETSYNTH_TIMEOUT; default: parallelize's own); give it before PLAN")
+
+
+def launch_run(args: argparse.Namespace) -> int:
+    from instruction_set.plan import load_plan
+    from runtime.launch import run_script
+
+    script = Path(args.script)
+    if not script.is_file():
+        why = "is a directory" if script.is_dir() else "does not exist"
+        raise ValueError(f"script {args.script!r} {why}; give the Python file every rank runs")
+    plan = load_plan(args.plan)
+    # the ranks' process groups are the script's (hetsynth.parallelize reads HETSYNTH_TIMEOUT)
+    env = {"HETSYNTH_TIMEOUT": str(args.timeout)} if args.timeout is not None else {}
+    result = run_script(plan, args.plan, args.script, args.script_args, env=env,
+                        timeout_s=args.timeout if args.timeout is not None else LAUNCH_TIMEOUT_S)
+    return show_run(result, "launch")
 
 
 def explain_args(p: argparse.ArgumentParser) -> None:
@@ -368,6 +440,7 @@ COMMANDS = {
     "inspect": (inspect_args, inspect_run),
     "plan": (plan_args, plan_run),
     "run": (run_args, run_run),
+    "launch": (launch_args, launch_run),
     "explain": (explain_args, explain_run),
     "profile": (profile_args, profile_run),
     "demo": (demo_args, demo_run),

@@ -273,6 +273,7 @@ class GradientSync:
         self.lock = threading.RLock()   # the buckets' state: hooks, callbacks and finish()
         self.driving = self.again = False
         self.error: BaseException | None = None   # raised by a completion callback
+        self.enabled = True   # False: the hooks do nothing (accumulation micro-steps, runtime.parallel)
         for k, run in enumerate(buckets):
             for i, p in enumerate(run.params):
                 p.register_post_accumulate_grad_hook(lambda _p, k=k, i=i: self.on_grad(k, i))
@@ -323,7 +324,23 @@ class GradientSync:
         self.next = 0
         self.start_s = time.perf_counter()
 
+    def repoint(self) -> None:
+        """Every all-reduce bucket's parameters' `.grad` a view of its (zeroed) flat buffer again
+        (a user's `optimizer.zero_grad()` sets them to None)."""
+        for run in self.buckets:
+            if run.layouts:
+                continue
+            for d, dtype in enumerate(dict.fromkeys(p.dtype for p in run.params)):
+                offset = 0
+                for p in (p for p in run.params if p.dtype == dtype):
+                    view = run.buffers[d][offset:offset + p.numel()].view_as(p)
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                    offset += p.numel()
+
     def on_grad(self, k: int, i: int) -> None:
+        if not self.enabled:  # gradients accumulate where they are (a bucket view, or a whole .grad)
+            return
         with self.lock:
             run = self.buckets[k]
             if run.layouts:

@@ -1,4 +1,8 @@
-"""`hetsynth run`: launch a plan with torchrun, on this machine or as per-node commands.
+"""`hetsynth run` and `hetsynth launch`: a plan's ranks under torchrun, on this machine or as
+per-node commands. Both go one way (`_launched`, `node_commands`); only the worker's command
+line differs: runtime.worker training the plan (`run`), or the user's script under
+runtime.script_runner (`run_script`). Every rank finds the validated plan file's absolute
+path in HETSYNTH_PLAN (runtime.plan_handoff.PATH_ENV).
 
 - A single-node cluster runs here: torchrun with one process per device (gloo on CPU, NCCL
   on GPUs), its rendezvous store (no authentication) and the process groups' sockets on
@@ -41,6 +45,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,7 +67,7 @@ from runtime.checkpoint import check_resume, read_checkpoint
 from runtime.config import TrainConfig
 from runtime.outputs import check_outputs
 from runtime.pipeline.run import check_pipeline_args
-from runtime.plan_handoff import PLAN_ENV, validated_digest
+from runtime.plan_handoff import PATH_ENV, PLAN_ENV, validated_digest
 from runtime.runstate import RunRecord
 from runtime.train import plan_reference
 
@@ -96,8 +101,7 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
     ValueError (`error: ...`, exit 2)."""
     if opts.steps < 1:
         raise ValueError(f"--steps {opts.steps}: give at least 1")
-    if not (math.isfinite(opts.timeout_s) and opts.timeout_s > 0):
-        raise ValueError(f"--timeout {opts.timeout_s:g}: give a positive number of seconds")
+    check_timeout(opts.timeout_s)
     if opts.trace_raw is not None and not 1 <= opts.trace_steps < opts.steps:
         raise ValueError(f"--trace-steps {opts.trace_steps} with --steps {opts.steps}: trace at least 1 step "
                          f"and leave at least 1 step before them to warm up (--steps > --trace-steps)")
@@ -109,6 +113,12 @@ def preflight(plan: Plan, opts: RunOptions) -> None:
     check_outputs({"--save": opts.save, "--report": opts.report})
     if opts.resume:
         check_resume(read_checkpoint(opts.resume), opts.resume, plan, opts.train, opts.steps)
+
+
+def check_timeout(timeout_s: float) -> None:
+    """ValueError unless `timeout_s` (--timeout) is a positive number of seconds."""
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"--timeout {timeout_s:g}: give a positive number of seconds")
 
 
 def runs_here(cluster: ClusterSpec) -> bool:
@@ -128,21 +138,29 @@ def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str |
     return args + (["--quiet"] if opts.quiet else [])
 
 
-def node_commands(plan: Plan, plan_path: str, opts: RunOptions) -> list[str]:
-    """One torchrun command per node of a multi-node cluster; the addresses and gloo's
-    interface (the network the nodes share, GLOO_SOCKET_IFNAME) are the user's to fill in.
-    Node 0's torchrun runs as runtime.agent with --bind-store, so that the rendezvous store
-    (no authentication) listens on the address given there only, not on every interface."""
-    n, first = len(plan.cluster.nodes), plan.cluster.nodes[0].name
+def script_args(script: str, args: list[str]) -> list[str]:
+    """The worker's command line of `hetsynth launch`: the user's script and its arguments,
+    untouched, under runtime.script_runner."""
+    return ["-m", "runtime.script_runner", script, *args]
+
+
+def node_commands(cluster: ClusterSpec, worker: list[str], env: dict[str, str] | None = None) -> str:
+    """One torchrun command per node of a multi-node cluster, running `python <worker>` with
+    `env` in front; the addresses and gloo's interface (the network the nodes share,
+    GLOO_SOCKET_IFNAME) are the user's to fill in. Node 0's torchrun runs as runtime.agent with
+    --bind-store, so that the rendezvous store (no authentication) listens on the address given
+    there only, not on every interface."""
+    n, first = len(cluster.nodes), cluster.nodes[0].name
+    args = shlex.join(worker)
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
     out = []
-    for i, node in enumerate(plan.cluster.nodes):
-        args = " ".join(worker_args(plan_path, opts, "report.json", None))
+    for i, node in enumerate(cluster.nodes):
         torchrun = "python -m runtime.agent --bind-store -- " if i == 0 else "torchrun "
-        out.append(f"# node {node.name} ({len(node.devices)} devices)\n"
+        out.append(f"# node {node.name} ({len(node.devices)} devices)\n{prefix}"
                    f"GLOO_SOCKET_IFNAME=<interface of node {node.name} toward node {first}> "
                    f"{torchrun}--nnodes {n} --node-rank {i} --nproc-per-node {len(node.devices)} "
                    f"--master-addr <address of node {first} on that network> --master-port 29500 {args}")
-    return out
+    return "\n\n".join(out)
 
 
 class RunFailed(RuntimeError):
@@ -194,11 +212,13 @@ def launch(cluster: ClusterSpec, module_args: list[str], *, timeout_s: float = 9
 
 
 def launch_in(record: RunRecord, workdir: Path, cluster: ClusterSpec, module_args: list[str], *,
-              timeout_s: float, plans: dict[str, str] | None = None) -> tuple[int, Failure | None]:
-    """launch() inside a recorded run and its work directory."""
+              timeout_s: float, plans: dict[str, str] | None = None,
+              env: dict[str, str] | None = None) -> tuple[int, Failure | None]:
+    """launch() inside a recorded run and its work directory; `env`: more for the workers."""
     status = workdir / "status"
     status.mkdir()
-    env = os.environ | BASE_ENV | {heartbeat.ENV: str(status)} | ({PLAN_ENV: json.dumps(plans)} if plans else {})
+    env = (os.environ | BASE_ENV | {heartbeat.ENV: str(status)} | ({PLAN_ENV: json.dumps(plans)} if plans else {})
+           | (env or {}))
     torchrun = ["--monitor-interval=0.5", *module_args]
     if cluster.emulation is not None:
         reason = emulation.unavailable()
@@ -394,14 +414,23 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     params_out = str(workdir / tag / "params.pt")
     run_opts = opts if dtype is None else dataclasses.replace(opts, save=None, quiet=True,
                                                               memory_report=False)
+    worker = worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype)
+    return _launched(record, workdir / tag, plan.cluster, worker, opts.timeout_s, plan_path, digest), report, params_out
+
+
+def _launched(record: RunRecord, workdir: Path, cluster: ClusterSpec, worker: list[str], timeout_s: float,
+              plan_path: str, digest: str, env: dict[str, str] | None = None) -> RunResult:
+    """`python <worker>` on every rank of `cluster` (launch_in), the ranks held to the plan
+    file's `digest` and given its absolute path (PATH_ENV) and `env`; a failure names the rank
+    and says when the others were stopped."""
     started = time.monotonic()
-    rc, failure = launch_in(record, workdir / tag, plan.cluster,
-                            worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype),
-                            timeout_s=opts.timeout_s, plans={plan_path: digest})
+    absolute = os.path.abspath(plan_path)
+    rc, failure = launch_in(record, workdir, cluster, worker, timeout_s=timeout_s,
+                            plans={plan_path: digest, absolute: digest}, env={PATH_ENV: absolute} | (env or {}))
     if rc == 0:
-        return RunResult(0), report, params_out
+        return RunResult(0)
     why = f"{failure or f'exit status {rc}'}; the other ranks were stopped ({time.monotonic() - started:.1f} s after the start)"
-    return RunResult(rc, failure=why), report, params_out
+    return RunResult(rc, failure=why)
 
 
 def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
@@ -420,7 +449,8 @@ def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
 def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> RunResult:
     """Train `plan` (saved at `plan_path`, or None: it is saved in the run's work directory)."""
     if not runs_here(plan.cluster):
-        return RunResult(0, node_commands="\n\n".join(node_commands(plan, plan_path or "plan.json", opts)))
+        worker = worker_args(plan_path or "plan.json", opts, "report.json", None)
+        return RunResult(0, node_commands=node_commands(plan.cluster, worker))
     preflight(plan, opts)
     with recorded_run() as (record, workdir):
         if plan_path is None:
@@ -432,3 +462,19 @@ def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> RunResult:
             return result
         return _check(plan, plan_path, opts, record, workdir, (report, params), digest)
 
+
+def run_script(plan: Plan, plan_path: str, script: str, args: list[str], *, timeout_s: float,
+               env: dict[str, str] | None = None) -> RunResult:
+    """`python SCRIPT ARGS` on every rank of the plan's cluster (`hetsynth launch`), launched
+    as `run` launches its workers (module docstring), the plan file at `plan_path` (whose bytes
+    must be `plan`) handed to the ranks in HETSYNTH_PLAN, and `env`; a cluster whose ranks run
+    elsewhere gets its per-node commands instead. `timeout_s`: a rank without a heartbeat for
+    that long (plus WATCHDOG_S) is stopped and named."""
+    check_timeout(timeout_s)
+    worker = script_args(os.path.abspath(script), args)
+    env = {PATH_ENV: os.path.abspath(plan_path)} | (env or {})
+    if not runs_here(plan.cluster):
+        return RunResult(0, node_commands=node_commands(plan.cluster, worker, env))
+    with recorded_run() as (record, workdir):
+        digest = validated_digest(plan, plan_path)
+        return _launched(record, workdir, plan.cluster, worker, timeout_s, plan_path, digest, env)

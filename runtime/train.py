@@ -192,19 +192,24 @@ def counts_once(groups: Groups, layout: Layout) -> bool:
 
 
 def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
+    """clip_norm on a trainer's program."""
+    return clip_norm(trainer.program, trainer.groups, trainer.zero, max_norm)
+
+
+def clip_norm(program: RankProgram, groups: Groups, zero: ZeroState | None, max_norm: float) -> float:
     """Scale every gradient by max_norm / (||g|| + 1e-6) when that is below 1; returns ||g||.
     A ZeRO-2 gradient is held as rows (runtime.zero): each rank counts its own rows."""
-    module = trainer.program.module
-    zero3 = trainer.zero.zero3() if trainer.zero is not None else set()
-    params = [(p, getattr(module, p.name).grad) for p in trainer.program.params if p.name not in zero3]
-    rows = trainer.zero.row_grads() if trainer.zero is not None else []
+    module = program.module
+    zero3 = zero.zero3() if zero is not None else set()
+    params = [(p, getattr(module, p.name).grad) for p in program.params if p.name not in zero3]
+    rows = zero.row_grads() if zero is not None else []
     replicated = not rows and not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
-    counted = [g for p, g in params if g is not None and (replicated or counts_once(trainer.groups, p.layout))]
+    counted = [g for p, g in params if g is not None and (replicated or counts_once(groups, p.layout))]
     counted += rows
     norms = torch._foreach_norm(counted, 2.0, dtype=torch.float64) if counted else []
     total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
     if not replicated:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.group("all"))
     norm = float(total.sqrt())
     scale = max_norm / (norm + 1e-6)
     grads = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in zero3] + rows
@@ -365,7 +370,7 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor
     return out
 
 
-__all__ = ["Any", "ModelMismatchError", "NonFiniteError", "check_state", "TrainConfig", "Trainer", "assemble", "check_finite", "clip_global_norm",
-           "full_state", "initial_state", "local_batch",
+__all__ = ["Any", "ModelMismatchError", "NonFiniteError", "check_state", "TrainConfig", "Trainer", "assemble",
+           "check_finite", "clip_global_norm", "clip_norm", "full_state", "initial_state", "local_batch",
            "local_parameters", "model_buffers", "reference_training", "setup", "train_step",
            "update_buffers"]

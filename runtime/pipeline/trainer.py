@@ -6,8 +6,12 @@ sub-mesh (runtime.groups.Groups.for_stages), one group per parameter that severa
 stage's SPMD plans on its sub-mesh of global ranks; the programs of all sizes share one set of
 nn.Parameters (parameter shard lengths do not depend on the micro-batch size).
 
-A step is exactly a single-device step:
-- micro-batch m holds samples sB + o_m + [0, b_m); each rank loads its rows of them;
+`build` makes the stage from the model's whole state (runtime.pipeline.module's
+PipelineModule: the user's module; `setup`: the model reference's initial state, with an
+optimizer, for `hetsynth run`). A step is exactly a single-device step:
+- micro-batch m holds samples sB + o_m + [0, b_m); a step takes this rank's rows of each input
+  (runtime.input_rows: every micro-batch's rows of its stage's layouts, and the whole batch
+  for inputs of the statistics), and each micro-batch's program reads its rows of them;
 - statistics (input-only batch reductions, planner.microbatch) are computed from the whole
   batch, so that the micro-batches' losses add up to the batch's;
 - the actions of the rank's stage run in order (instruction_set.schedule): F(m) runs the
@@ -30,7 +34,6 @@ import torch.distributed as dist
 
 from instruction_set.interpret import call_node, constant
 from instruction_set.layouts import Layout
-from instruction_set.mesh import Mesh
 from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.pipeline import Pipeline, PipelineStage
 from instruction_set.plan import Plan
@@ -40,29 +43,31 @@ from instruction_set.shards import MeshLayout
 from runtime.codegen import RankProgram, build_rank_program, local_slice
 from runtime.config import TrainConfig
 from runtime.groups import Groups, group_timeout
+from runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
 from runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
 from runtime.train import check_finite, check_state, initial_state, make_optimizer, precision
 
 MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
 
 
-def stage_mesh(stage: PipelineStage) -> Mesh:
-    mesh = next(iter(stage.plans.values())).mesh
-    return Mesh(mesh.num_nodes, mesh.per_node, mesh.two_level, stage.first_rank)
+stage_mesh = stage_mesh_of  # the name explain_pipeline and the checkpoints use
 
 
 @dataclass
 class PipelineTrainer:
     plan: Plan
-    spec: ModelSpec
     stage: PipelineStage
     groups: Groups
     world: Any
     programs: dict[int, RankProgram]
-    optimizer: torch.optim.Optimizer
-    config: TrainConfig
     shared: dict[str, Any]                 # fqn -> group of the ranks of every stage holding it
     state: dict[str, torch.Tensor]         # the model's whole buffers as initialised (statistics read them)
+    rows: list[list[int]]                  # this rank's rows of each input (runtime.input_rows)
+    device: torch.device = torch.device("cpu")
+    dtype: str | None = None               # the float dtype of a plan's twin (runtime.train.precision)
+    spec: ModelSpec | None = None          # hetsynth run's: the model reference (setup)
+    optimizer: torch.optim.Optimizer | None = None
+    config: TrainConfig | None = None
     outbox: Outbox = field(default_factory=Outbox)
     losses: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # of the last step (train_step)
@@ -97,26 +102,39 @@ def _outputs(pipeline: Pipeline, stage: PipelineStage) -> list[tuple[str, Layout
     return list(dict.fromkeys((b.tensor, b.src_layout) for b in pipeline.boundaries if b.src_stage == stage.index))
 
 
-def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
-    assert plan.pipeline is not None, "setup needs a pipeline plan"
-    spec = parse_model_ref(plan.model.ref)
-    if config.dtype is not None:
-        plan, spec = twin(plan, config.dtype), with_dtype(spec, config.dtype)
+def build(plan: Plan, rank: int, state: dict[str, torch.Tensor], params: set[str], *, world: Any,
+          device: torch.device | str = "cpu", dtype: str | None = None) -> PipelineTrainer:
+    """This rank's stage of a pipeline plan (already in `dtype`: twin) over the model's whole
+    `state` (every parameter and buffer by name, `params` the parameters' names): collective,
+    every rank in the same order. No rank keeps whole copies of the parameters."""
+    assert plan.pipeline is not None, "build needs a pipeline plan"
     pipeline = plan.pipeline
     groups = Groups.for_stages([stage_mesh(s) for s in pipeline.stages], rank, world=world)
     shared = _shared_groups(pipeline, rank, world)
     stage = pipeline.stage_of(rank)
-    state, params = initial_state(spec, config.seed)
-    check_state(plan, state)
     programs: dict[int, RankProgram] = {}
     for b in sorted(stage.plans, reverse=True):
-        programs[b] = build_rank_program(stage.plans[b], groups, state=state, outputs=_outputs(pipeline, stage))
+        programs[b] = build_rank_program(stage.plans[b], groups, state=state, device=device,
+                                         outputs=_outputs(pipeline, stage))
         if len(programs) > 1:
             _share_parameters(programs[b], programs[max(programs)])
-    optimizer = make_optimizer(list(programs[max(programs)].module.parameters()), config)
-    buffers = {k: v for k, v in state.items() if k not in params}
-    del state  # no rank keeps whole copies of the parameters
-    return PipelineTrainer(plan, spec, stage, groups, world, programs, optimizer, config, shared, buffers)
+    buffers = {k: v.detach().clone() for k, v in state.items() if k not in params}
+    return PipelineTrainer(plan, stage, groups, world, programs, shared, buffers, input_rows(plan, rank),
+                           torch.device(device), dtype)
+
+
+def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
+    """`build` from the model reference's initial state, with the run's optimizer (hetsynth run)."""
+    assert plan.pipeline is not None, "setup needs a pipeline plan"
+    spec = parse_model_ref(plan.model.ref)
+    if config.dtype is not None:
+        plan, spec = twin(plan, config.dtype), with_dtype(spec, config.dtype)
+    state, params = initial_state(spec, config.seed)
+    check_state(plan, state)
+    t = build(plan, rank, state, params, world=world, dtype=config.dtype)
+    t.spec, t.config = spec, config
+    t.optimizer = make_optimizer(list(t.main.module.parameters()), config)
+    return t
 
 
 def twin(plan: Plan, dtype: str) -> Plan:
@@ -137,30 +155,37 @@ def _share_parameters(program: RankProgram, main: RankProgram) -> None:
 
 # -- data -------------------------------------------------------------------------------------------
 
-def _rows(plan: Plan, mesh: Mesh, tensor: str, layout: Layout, rank: int, batch: int) -> range:
-    if not layout.is_shard or 0 not in plan.lengths(tensor, layout):
-        return range(batch)
-    lengths = plan.lengths(tensor, layout)[0]
-    start = MeshLayout(mesh, layout).offset(lengths, 0, rank)
-    return range(start, start + lengths[mesh.index(rank)])
+def spec_inputs(t: PipelineTrainer, step: int) -> list[torch.Tensor]:
+    """This rank's rows of each input of global batch `step`, from the model reference's data."""
+    assert t.spec is not None and t.config is not None, "spec_inputs needs setup's trainer"
+    wanted = sorted({r for rows in t.rows for r in rows})
+    base = step * t.plan.model.batch_size
+    values = t.spec.make_batch([base + r for r in wanted], seed=t.config.data_seed) if wanted else None
+    at = {r: i for i, r in enumerate(wanted)}
+    out = []
+    for k, node in enumerate(n for n in t.plan.graph.nodes if n.op == "input"):
+        if values is None:
+            out.append(torch.zeros((0, *node.out.shape[1:]), dtype=getattr(torch, node.out.dtype)))
+        else:
+            out.append(values[k][[at[r] for r in t.rows[k]]])
+    return out
 
 
-def statistics(t: PipelineTrainer, step: int) -> dict[str, torch.Tensor]:
-    """The input-only batch reductions over the whole global batch (planner.microbatch)."""
-    pipeline, graph = t.pipeline, t.plan.graph
-    if not pipeline.statistics:
+def statistics(t: PipelineTrainer, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The input-only batch reductions this stage reads, over the whole global batch
+    (planner.microbatch), of `inputs` (this rank's rows: the whole batch of the inputs they read)."""
+    graph, used = t.plan.graph, stage_statistics(t.plan, t.stage)
+    if not used:
         return {}
-    batch = t.plan.model.batch_size
-    values = t.spec.make_batch(range(step * batch, (step + 1) * batch), seed=t.config.data_seed)
-    env: dict[str, Any] = dict(zip([n.name for n in graph.nodes if n.op == "input"], values))
+    env: dict[str, Any] = dict(zip(input_names(t.plan), inputs))
     for node in graph.nodes:
         if node.op == "buffer":
             env[node.name] = constant(node) if node.value is not None else t.state[node.fqn]
-    need = _closure(graph, pipeline.statistics)
+    need = _closure(graph, used)
     for node in graph.calls:
         if node.name in need:
             env[node.name] = call_node(node, env, torch.device("cpu"))
-    return {s: env[s] for s in pipeline.statistics}
+    return {s: env[s] for s in used}
 
 
 def _closure(graph: Any, names: Sequence[str]) -> set[str]:
@@ -173,22 +198,23 @@ def _closure(graph: Any, names: Sequence[str]) -> set[str]:
     return need
 
 
-def micro_inputs(t: PipelineTrainer, step: int, m: int, received: dict[str, torch.Tensor],
+def micro_inputs(t: PipelineTrainer, inputs: Sequence[torch.Tensor], m: int, received: dict[str, torch.Tensor],
                  stats: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """The program's inputs for micro-batch m: data rows, statistics, received boundaries."""
     sizes = t.pipeline.micro_batches
-    b, base = sizes[m], step * t.plan.model.batch_size + sum(sizes[:m])
+    b, base = sizes[m], sum(sizes[:m])
     plan, program = t.stage.plans[b], t.programs[b]
-    names = [n.name for n in t.plan.graph.nodes if n.op == "input"]
+    names = input_names(t.plan)
     out = []
     for name, layout in program.inputs:
         if (name, layout) in received:
             out.append(received[(name, layout)])
         elif name in stats:
-            out.append(stats[name].to(getattr(torch, plan.graph.node(name).out.dtype)))
+            out.append(stats[name].to(t.device, getattr(torch, plan.graph.node(name).out.dtype)))
         else:
-            rows = _rows(plan, t.groups.mesh, name, layout, t.groups.rank, b)
-            out.append(t.spec.make_batch([base + r for r in rows], seed=t.config.data_seed)[names.index(name)])
+            i = names.index(name)
+            rows = layout_rows(plan, t.groups.mesh, name, layout, t.groups.rank, b)
+            out.append(inputs[i][local_rows(t.rows[i], range(base + rows.start, base + rows.stop))].to(t.device))
     return out
 
 
@@ -210,16 +236,18 @@ ACTION_PHASES = {ActionOp.F: "forward", ActionOp.B: "backward", ActionOp.RECV_F:
                  ActionOp.RECV_B: "receive", ActionOp.SEND_F: "send", ActionOp.SEND_B: "send"}
 
 
-def run_actions(t: PipelineTrainer, step: int,
-                events: list[tuple[str, int, float, float]] | None = None) -> torch.Tensor:
-    """This rank's stage actions for one step; returns its summed loss summand. `events` gets
+def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
+                events: list[tuple[str, int, float, float]] | None = None, *, backward: bool = True) -> torch.Tensor:
+    """This rank's stage actions for one step on its rows of each input (`inputs`, input_rows');
+    returns its summed loss summand (float64). `backward=False`: the forward actions only (an
+    evaluation pass under torch.no_grad). `events` gets
     every action as (op, micro-batch, start, end), perf_counter seconds (CLOCK_MONOTONIC: one
     clock for every rank of a machine), to set against the predicted timeline, the setup
     (statistics, receives posted) first as ("setup", -1, start, end)."""
     events = [] if events is None else events
     clock = time.perf_counter()
     pipeline, s = t.pipeline, t.stage.index
-    stats = statistics(t, step)
+    stats = statistics(t, inputs)
     received: dict[int, dict] = {}
     saved: dict[int, list[torch.Tensor]] = {}
     outs: dict[int, dict] = {}
@@ -237,7 +265,7 @@ def run_actions(t: PipelineTrainer, step: int,
             received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(posted.pop((a.boundary, m)), True)
         elif a.op is ActionOp.F:
             program = t.programs[pipeline.micro_batches[m]]
-            result = program.module(*micro_inputs(t, step, m, received.pop(m, {}), stats))
+            result = program.module(*micro_inputs(t, inputs, m, received.pop(m, {}), stats))
             n_up = len(program.updates)
             _update_buffers(program, result[1:1 + n_up])
             outs[m] = dict(zip(program.outputs, result[1 + n_up:]))
@@ -251,7 +279,7 @@ def run_actions(t: PipelineTrainer, step: int,
                 saved[m].append(send_forward(x, _link(t, a.boundary, m)))
             else:
                 send_forward(x, _link(t, a.boundary, m))
-        elif a.op is ActionOp.B:
+        elif a.op is ActionOp.B and backward:
             roots = saved.pop(m)
             outs.pop(m, None)
             if roots:
@@ -300,7 +328,7 @@ def sync_gradients(t: PipelineTrainer) -> None:
             param.grad = local_slice(plan, p.name, p.layout, t.groups.rank, whole, t.groups.mesh).clone()
 
 
-def _owner(t: PipelineTrainer, fqn: str) -> bool:
+def first_holder(t: PipelineTrainer, fqn: str) -> bool:
     """Whether this stage counts a parameter in global sums (the first stage holding it)."""
     for stage in t.pipeline.stages:
         if any(n.fqn == fqn for n in next(iter(stage.plans.values())).graph.params):
@@ -308,23 +336,45 @@ def _owner(t: PipelineTrainer, fqn: str) -> bool:
     return False
 
 
-def clip_and_step(t: PipelineTrainer, loss: torch.Tensor, step: int) -> float:
-    """The global norm and loss (one all-reduce), clipping and the update; NonFiniteError
-    (runtime.train) before the update when either is not finite. Returns the global loss."""
+def _square_norm(t: PipelineTrainer) -> torch.Tensor:
+    """This rank's part of the squared global gradient norm: each element counted once, by the
+    first replica of the first stage holding it."""
     module = t.main.module
     sq = torch.zeros((), dtype=torch.float64)
     for p in t.main.params:
         grad = getattr(module, p.name).grad
-        if grad is not None and _owner(t, p.fqn) and MeshLayout(t.groups.mesh, p.layout).counts_once(t.groups.rank):
+        counted = first_holder(t, p.fqn) and MeshLayout(t.groups.mesh, p.layout).counts_once(t.groups.rank)
+        if grad is not None and counted:
             sq += grad.detach().to(torch.float64).pow(2).sum()
-    both = torch.stack([sq, loss.to(torch.float64)])
+    return sq
+
+
+def _clip(t: PipelineTrainer, norm: float, max_norm: float) -> None:
+    scale = max_norm / (norm + 1e-6)
+    grads = [p.grad for p in t.main.module.parameters() if p.grad is not None]
+    if scale < 1.0 and grads:
+        torch._foreach_mul_(grads, scale)
+
+
+def clip_grad_norm(t: PipelineTrainer, max_norm: float) -> float:
+    """Scale every gradient by min(1, max_norm / (||g|| + 1e-6)); returns the global ||g||
+    (collective over the world)."""
+    sq = _square_norm(t)
+    dist.all_reduce(sq, group=t.world)
+    norm = float(sq.sqrt())
+    _clip(t, norm, max_norm)
+    return norm
+
+
+def clip_and_step(t: PipelineTrainer, loss: torch.Tensor, step: int) -> float:
+    """The global norm and loss (one all-reduce), clipping and the update; NonFiniteError
+    (runtime.train) before the update when either is not finite. Returns the global loss."""
+    assert t.optimizer is not None and t.config is not None, "clip_and_step needs setup's trainer"
+    both = torch.stack([_square_norm(t), loss.to(torch.float64)])
     dist.all_reduce(both, group=t.world)
     check_finite(step, loss=float(both[1]), gradient_norm=float(both[0].sqrt()))
     if t.config.max_grad_norm is not None:
-        scale = t.config.max_grad_norm / (float(both[0].sqrt()) + 1e-6)
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if scale < 1.0 and grads:
-            torch._foreach_mul_(grads, scale)
+        _clip(t, float(both[0].sqrt()), t.config.max_grad_norm)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     return float(both[1])
@@ -341,14 +391,15 @@ def seconds_by_kind(events: list[tuple[str, int, float, float]]) -> dict[str, fl
     return out
 
 
-def train_step(t: PipelineTrainer, step: int) -> float:
-    """One step (module docstring); returns the global loss. `t.phases` gets this rank's
+def train_step(t: PipelineTrainer, step: int, inputs: Sequence[torch.Tensor] | None = None) -> float:
+    """One step (module docstring) on this rank's rows of each input of global batch `step`
+    (`inputs`; by default spec_inputs'); returns the global loss. `t.phases` gets this rank's
     seconds of the actions (and of each kind of action, `actions.forward` ...), the gradient
     syncs, and the norm with the update; `t.events` the step ("step", -1, start, end) first,
     then its actions (run_actions), the gradient syncs ("sync") and the update ("update")."""
-    with precision(t.config.dtype):
+    with precision(t.dtype):
         start, events = time.perf_counter(), []
-        loss = run_actions(t, step, events)
+        loss = run_actions(t, spec_inputs(t, step) if inputs is None else inputs, events)
         t.outbox.flush()
         actions = time.perf_counter()
         sync_gradients(t)
