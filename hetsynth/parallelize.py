@@ -35,6 +35,7 @@ from instruction_set.plan import Plan, PlanShape, load_plan
 from instruction_set.precision import with_float_dtype
 from runtime.groups import Groups
 from runtime.parallel import ParallelModule
+from runtime.rank import rank_device
 from runtime.train import check_state
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -51,7 +52,7 @@ def parallelize(module: nn.Module, plan: Plan | str | Path, *, timeout_s: float 
     $HETSYNTH_TIMEOUT or 300 s). `check_graph=False` skips the graph comparison (the
     parameter and value checks always run)."""
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
-    device = _device()
+    device = rank_device()
     _init_process_group(device, timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != plan.cluster.num_devices:
@@ -76,14 +77,6 @@ def parallelize(module: nn.Module, plan: Plan | str | Path, *, timeout_s: float 
         return PipelineModule(plan, rank, state, keys, device, dtype=dtype, world=dist.group.WORLD)
     groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
     return ParallelModule(plan, groups, state, keys, device, dtype=dtype)
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def _init_process_group(device: torch.device, timeout_s: float | None) -> None:

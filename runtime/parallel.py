@@ -45,12 +45,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from instruction_set.plan import Plan
-from runtime.codegen import RankProgram, build_rank_program, local_slice
-from runtime.grad_sync import GradientSync
+from instruction_set.shards import MeshLayout
+from runtime.codegen import build_rank_program, local_slice
 from runtime.groups import Groups
 from runtime.input_rows import input_names, input_rows, layout_rows, local_rows
-from instruction_set.shards import MeshLayout
-from runtime.train import assemble, clip_norm, counts_once, precision
+from runtime.train import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
 from runtime.zero import ZeroState
 
 
@@ -86,6 +85,18 @@ class PlannedModule(nn.Module):
     `_load_keys()` are the shape's own)."""
 
     keys: dict[str, str]
+    synced: bool   # False inside no_sync()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes (pipelines: train steps) inside skip the gradient sync: gradients
+        accumulate locally for the next synchronised one (accumulation micro-steps)."""
+        previous = self.synced
+        vars(self)["synced"] = False
+        try:
+            yield
+        finally:
+            vars(self)["synced"] = previous
 
     def _world_group(self) -> Any:
         raise NotImplementedError
@@ -127,16 +138,15 @@ class ParallelModule(PlannedModule):
                  device: torch.device, dtype: str | None = None) -> None:
         super().__init__()
         program = build_rank_program(plan, groups, state=state, device=device)
-        sync = GradientSync.build(program.module, plan.buckets(), groups,
-                                  plan.state_shards.rows if plan.state_shards is not None else None) \
-            if plan.buckets() else None
+        sync = gradient_sync(plan, program, groups)
         zero = ZeroState.build(program.module, plan, groups, sync)
         read = {n.fqn for n in plan.graph.nodes if n.op == "buffer" and n.value is None}
         params = {p.fqn for p in program.params}
         unread = {k: v.detach().clone() for k, v in state.items() if k not in params and k not in read}
         vars(self).update(plan=plan, groups=groups, program=program, sync=sync, zero=zero, keys=dict(keys),
                           device=device, dtype=dtype, unread=unread, pending=None, stale=False,
-                          new_cycle=True, synced=True, rows=input_rows(plan, groups.rank))
+                          new_cycle=True, synced=True, rows=input_rows(plan, groups.rank),
+                          input_nodes=[n for n in plan.graph.nodes if n.op == "input"])
         vars(self)["_reads"] = self._layout_positions()
         vars(self)["_leaf_ids"] = {id(p) for _, p in self.named_parameters()}
         ref = weakref.ref(self)
@@ -188,11 +198,7 @@ class ParallelModule(PlannedModule):
 
     def whole_buffers(self) -> dict[str, torch.Tensor]:
         """The plain module's buffers by state-dict key, whole (replicated on every rank)."""
-        module = self.program.module
-        by_fqn = dict(self.unread)
-        for node in self.plan.graph.nodes:
-            if node.op == "buffer" and node.value is None and hasattr(module, node.name):
-                by_fqn[node.fqn] = getattr(module, node.name).detach()
+        by_fqn = self.unread | {fqn: b.detach() for fqn, b in stored_buffers(self.plan, self.program.module).items()}
         return {k: by_fqn[s] for k, s in self.keys.items() if s in by_fqn}
 
     def load_buffers(self, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -213,7 +219,7 @@ class ParallelModule(PlannedModule):
         return out
 
     def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        nodes = [n for n in self.plan.graph.nodes if n.op == "input"]
+        nodes = self.input_nodes
         if len(inputs) != len(nodes):
             raise ValueError(f"the plan's forward takes {len(nodes)} inputs "
                              f"({', '.join(n.name for n in nodes)}), {len(inputs)} were given")
@@ -241,16 +247,6 @@ class ParallelModule(PlannedModule):
             self._write_buffers()
             return loss
         return _EndOfBackward.apply(loss, self, self.synced)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside skip the gradient sync (accumulation micro-steps)."""
-        previous = self.synced
-        vars(self)["synced"] = False
-        try:
-            yield
-        finally:
-            vars(self)["synced"] = previous
 
     # -- the gradient cycle -----------------------------------------------------------------
 
@@ -324,32 +320,24 @@ class ParallelModule(PlannedModule):
         else:
             gathered = [None] * world
             dist.all_gather_object(gathered, local, group=group)
-        whole = assemble(self.plan, gathered) | {k: v.clone() for k, v in self.unread.items()}
-        for node in self.plan.graph.nodes:
-            if node.op == "buffer" and node.value is None and hasattr(module, node.name):
-                whole[node.fqn] = getattr(module, node.name).detach().cpu().clone()
-        return whole
+        stored = stored_buffers(self.plan, module)
+        return assemble(self.plan, gathered) | {k: v.clone() for k, v in self.unread.items()} | {
+            fqn: b.detach().cpu().clone() for fqn, b in stored.items()}
 
     def _load_keys(self, by_key: Mapping[str, torch.Tensor]) -> None:
         self._flush()
         self._load_whole({self.keys[k]: v for k, v in by_key.items()})
 
     def _load_whole(self, whole: Mapping[str, torch.Tensor]) -> None:
-        module, rank = self.program.module, self.groups.rank
+        module = self.program.module
+        targets = self.unread | stored_buffers(self.plan, module)  # whole on this rank
         with torch.no_grad():
             for p in self.program.params:
                 if p.fqn in whole:
                     getattr(module, p.name).copy_(self._piece(p.name, p.layout, whole[p.fqn]))
-            for node in self.plan.graph.nodes:
-                if node.op != "buffer" or node.fqn not in whole:
-                    continue
-                if hasattr(module, node.name) and node.value is None:
-                    getattr(module, node.name).copy_(whole[node.fqn])
-                elif node.fqn in self.unread:
-                    self.unread[node.fqn].copy_(whole[node.fqn])
             for fqn, value in whole.items():
-                if fqn in self.unread:
-                    self.unread[fqn].copy_(value)
+                if fqn in targets:
+                    targets[fqn].copy_(value)
 
     def _piece(self, name: str, layout: Any, whole: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a whole parameter: its shard, or its ZeRO-3 rows."""

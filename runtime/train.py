@@ -41,6 +41,7 @@ from instruction_set.training_state import TrainingState
 from runtime.codegen import RankProgram, build_rank_program
 from runtime.config import TrainConfig
 from runtime.grad_sync import BucketTiming, GradientSync
+from runtime.input_rows import layout_rows
 from runtime.groups import Groups
 from runtime.zero import ZeroState
 
@@ -138,7 +139,7 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
     program = build_rank_program(plan, groups, state=state, device=device)
     buffers = {k: v for k, v in state.items() if k not in param_names}
     del state  # no rank keeps whole copies of the parameters
-    sync = _gradient_sync(plan, program, groups)
+    sync = gradient_sync(plan, program, groups)
     zero = ZeroState.build(program.module, plan, groups, sync)
     params = list(program.module.parameters())
     optimizer = make_optimizer(zero.optimizer_params(params) if zero is not None else params, config)
@@ -146,7 +147,8 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
                    zero=zero)
 
 
-def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
+def gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
+    """The plan's gradient buckets over a rank's program (None when no parameter needs a sync)."""
     buckets = plan.buckets()
     rows = plan.state_shards.rows if plan.state_shards is not None else None
     return GradientSync.build(program.module, buckets, groups, rows) if buckets else None
@@ -156,11 +158,7 @@ def _gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> Gradient
 
 def rank_rows(plan: Plan, tensor: str, layout: Layout, rank: int, batch: int) -> range:
     """The rows of the global batch this rank holds for an input in `layout`."""
-    if not layout.is_shard or 0 not in plan.lengths(tensor, layout):
-        return range(batch)
-    lengths = plan.lengths(tensor, layout)[0]
-    start = plan.placed(layout).offset(lengths, 0, rank)
-    return range(start, start + lengths[rank])
+    return layout_rows(plan, plan.mesh, tensor, layout, rank, batch)
 
 
 def local_batch(trainer: Trainer, step: int) -> list[torch.Tensor]:
@@ -289,12 +287,15 @@ def local_parameters(trainer: Trainer) -> dict[str, tuple[str, torch.Tensor]]:
 def model_buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The model's buffers by name, whole: the program's (stored R, so whole on every rank,
     updated by training) over the initial values of those the graph does not read."""
-    module = trainer.program.module
-    out = dict(trainer.buffers)
-    for node in trainer.plan.graph.nodes:
-        if node.op == "buffer" and node.value is None and hasattr(module, node.name):  # stored: read by the graph
-            out[node.fqn] = getattr(module, node.name).detach().cpu()
-    return out
+    stored = stored_buffers(trainer.plan, trainer.program.module)
+    return dict(trainer.buffers) | {fqn: b.detach().cpu() for fqn, b in stored.items()}
+
+
+def stored_buffers(plan: Plan, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fqn -> the program's own tensor of every buffer the graph reads (stored R: whole on
+    every rank, updated by training)."""
+    return {node.fqn: getattr(module, node.name) for node in plan.graph.nodes
+            if node.op == "buffer" and node.value is None and hasattr(module, node.name)}
 
 
 def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig,
@@ -372,5 +373,5 @@ def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor
 
 __all__ = ["Any", "ModelMismatchError", "NonFiniteError", "check_state", "TrainConfig", "Trainer", "assemble",
            "check_finite", "clip_global_norm", "clip_norm", "full_state", "initial_state", "local_batch",
-           "local_parameters", "model_buffers", "reference_training", "setup", "train_step",
+           "local_parameters", "model_buffers", "reference_training", "gradient_sync", "setup", "stored_buffers", "train_step",
            "update_buffers"]

@@ -28,7 +28,6 @@ pipeline plans: runtime.parallel.ParallelModule's face, on the executor `hetsynt
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -127,16 +126,6 @@ class PipelineModule(PlannedModule):
             loss = run_actions(self.t, list(inputs), backward=False)
             self.t.outbox.flush()
         return loss
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Train steps inside skip the gradient sync (accumulation micro-steps)."""
-        previous = self.synced
-        vars(self)["synced"] = False
-        try:
-            yield
-        finally:
-            vars(self)["synced"] = previous
 
     # -- the user's calls -------------------------------------------------------------------
 
