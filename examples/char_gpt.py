@@ -1,6 +1,7 @@
 """A character-level GPT trained on Python's own standard-library sources, with hetsynth.
 
     python examples/char_gpt.py plan -o plan.json [--cluster configs/clusters/local-emulated.toml] [--size tiny]
+                                  [--precision fp32|bf16|fp16|auto]
     hetsynth launch plan.json examples/char_gpt.py train --steps 200 [--losses losses.json]
 
 `plan` captures the model with a batch of example inputs and synthesizes a plan for the
@@ -108,9 +109,9 @@ def plan(args: argparse.Namespace) -> None:
 
     model, inputs = make(args.size)
     ref = f"{os.path.relpath(__file__)}:make,size={args.size}"
-    made = hetsynth.plan(model, inputs, hetsynth.load_cluster(args.cluster), model_ref=ref)
+    made = hetsynth.plan(model, inputs, hetsynth.load_cluster(args.cluster), model_ref=ref, precision=args.precision)
     hetsynth.save_plan(made, args.output)
-    print(f"{args.output}: {made.cluster.num_devices} devices, "
+    print(f"{args.output}: {made.cluster.num_devices} devices, precision {made.precision_policy().describe()}, "
           f"predicted step {made.predicted.step_time_s * 1e3:.1f} ms")
 
 
@@ -141,10 +142,12 @@ def train(args: argparse.Namespace) -> None:
         for batch in data:
             start = time.perf_counter()
             loss = pm(*batch)
-            loss.backward()
+            pm.scaler.scale(loss).backward()  # the plan's loss scaler: a no-op unless a device computes in fp16
+            pm.scaler.unscale_(opt)
             pm.clip_grad_norm_(1.0)
             lr = sched.get_last_lr()[0]
-            opt.step()
+            pm.scaler.step(opt)
+            pm.scaler.update()
             sched.step()
             opt.zero_grad()
             losses.append(pm.global_loss(loss))
@@ -173,6 +176,8 @@ def main() -> None:
     p.add_argument("-o", "--output", default="plan.json")
     p.add_argument("--cluster", default="configs/clusters/local-emulated.toml")
     p.add_argument("--size", choices=SIZES, default="tiny")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "auto"), default="fp32",
+                   help="what each device kind computes in (bf16/fp16 under autocast, float32 master weights)")
     t = sub.add_parser("train", help="train under the plan in $HETSYNTH_PLAN (hetsynth launch)")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--lr", type=float, default=3e-3)

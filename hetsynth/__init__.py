@@ -49,7 +49,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
-         fusion: bool = True, keep_unfit: bool = False, zero: str = "auto", model_ref: str | None = None) -> Plan:
+         fusion: bool = True, keep_unfit: bool = False, zero: str = "auto", model_ref: str | None = None,
+         precision: str = "fp32", cache: bool = False) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -63,7 +64,14 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     shards training state (ZeRO-1/2/3) only where memory binds, "0" never, "1", "2" or "3" every
     parameter that can be at that stage, at the state LP's rows (planner.zero). `model_ref`: for a
     module, the model reference recorded in the plan (capture_model), so that `hetsynth run` can
-    build it."""
+    build it. `precision`: "fp32", "bf16", "fp16" or "auto" (per device kind the fastest type its
+    spec's matmul_flops gives; instruction_set.mixed_precision): what each kind computes in, with
+    float32 master weights and gradient reduction; the plan records it and is costed at those
+    rates (a kind without the type asked for is a ValueError naming it). `cache`: return the plan
+    cached for the same inputs and cache a new one (hetsynth.plan_cache; a model reference is
+    looked up before capture, a module after it; never with `measure_ops`)."""
+    from cost_models.precision import costed
+    from instruction_set.mixed_precision import choose_policy
     from instruction_set.models import parse_model_ref, with_overrides
     from planner.feasibility import check_memory_lower_bound
     from planner.planner import DP_SEED, make_plan
@@ -78,14 +86,23 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
     if num_devices is not None:
         spec = spec.first(num_devices)
+    policy = choose_policy(spec, precision)  # a kind without the precision asked for fails before any capture
     if isinstance(model, str) and model_ref is not None:
         raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
+    options = {"face": "api", "batch_size": batch_size, "ratios": list(ratios) if ratios is not None else None,
+               "allow_replicate_fallback": allow_replicate_fallback, "data_parallel": data_parallel,
+               "bucket_mb": bucket_mb, "fusion": fusion, "keep_unfit": keep_unfit, "zero": zero,
+               "precision": precision}
+    cache = cache and not measure_ops
+    key = plan_cache.ref_key(model, spec, options) if cache and isinstance(model, str) else None
+    if key is not None and (hit := _cached(key)) is not None:
+        return hit
     if isinstance(model, str):
         ref = parse_model_ref(model)
         if batch_size is not None:
             ref = with_overrides(ref, batch_size=batch_size)
         graph = capture_model(ref.ref, allow_replicate_fallback=allow_replicate_fallback)
-        check_memory_lower_bound(graph, spec)  # before timing anything
+        check_memory_lower_bound(*costed(graph, spec, policy))  # before timing anything
         if measure_ops:
             graph = capture_measured(ref.ref, allow_replicate_fallback=allow_replicate_fallback, cluster=spec)
     else:
@@ -95,7 +112,10 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
             raise ValueError("batch_size applies to model references; slice example_inputs instead")
         graph = capture_model(model, example_inputs, allow_replicate_fallback=allow_replicate_fallback,
                               model_ref=model_ref)
-        check_memory_lower_bound(graph, spec)
+        check_memory_lower_bound(*costed(graph, spec, policy))
+        key = plan_cache.graph_key(graph, spec, options) if cache else None
+        if key is not None and (hit := _cached(key)) is not None:
+            return hit
         if measure_ops:
             if any(t.is_meta for t in example_inputs):
                 raise ValueError("measure_ops needs real example inputs (not on the meta device)")
@@ -108,8 +128,17 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     if zero == "0":
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_zero=False)
     made = make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
-                     bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None, keep_unfit=keep_unfit)
-    return made if zero in ("auto", "0") else _forced_zero(made, int(zero))
+                     bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None, keep_unfit=keep_unfit,
+                     precision=precision)
+    made = made if zero in ("auto", "0") else _forced_zero(made, int(zero))
+    if key is not None:
+        plan_cache.store(key, made, plan_cache.model_files(model) if isinstance(model, str) else None)
+    return made
+
+
+def _cached(key: "plan_cache.CacheKey") -> Plan | None:
+    hit = plan_cache.lookup(key)
+    return hit.plan if hit is not None else None
 
 
 ZERO_CHOICES = ("auto", "0", "1", "2", "3")
@@ -140,7 +169,7 @@ def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,
     return measured_graph(ref, allow_replicate_fallback=allow_replicate_fallback, cluster=cluster)
 
 
-from hetsynth import checkpoint, data  # noqa: E402 - the faces below use the functions above
+from hetsynth import checkpoint, data, plan_cache  # noqa: E402 - the faces below use the functions above
 from hetsynth.parallelize import parallelize  # noqa: E402
 
 __all__ = ["ClusterSpec", "Plan", "ReferenceGraph", "capture_measured", "capture_model", "checkpoint", "data", "load_cluster",

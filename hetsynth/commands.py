@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetsynth import capture_model
+from hetsynth import capture_model, plan_cache
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
 from runtime.config import add_train_arguments, train_config
 from runtime.outputs import check_outputs, model_file
@@ -74,6 +74,10 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", choices=["auto", "0", "1", "2", "3"], default="auto",
                    help="sharded training state: auto (ZeRO-1, -2 or -3 only where memory binds, the fastest that "
                         "fits), 0 (never), or 1, 2, 3 (every parameter that can be, rows sized by memory and speed)")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="fp32",
+                   help="what each device kind computes in, with float32 master weights and gradient reduction: "
+                        "fp32 (default), bf16 or fp16 on every kind (an error where a kind's matmul_flops lacks it), "
+                        "or auto (per kind the fastest: bf16 where it has it, else fp16 with loss scaling)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.add_argument("--stages", type=_stages_arg,
                    help="also make a pipeline: 'auto' (stages, cuts and sub-meshes chosen by dynamic programming "
@@ -82,6 +86,9 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, help="micro-batches of the pipeline (default: the fastest of S, 2S, 4S)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
                    help="pipeline schedule (default: the one predicted fastest)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="plan again instead of returning the plan cached for the same inputs "
+                        "($HETSYNTH_CACHE_DIR or ~/.cache/hetsynth/plans; hetsynth.plan_cache)")
 
 
 def _stages_arg(text: str) -> int | str:
@@ -101,6 +108,12 @@ def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
         raise ValueError("--micro-batches and --schedule need --stages")
     if plan.predicted.fits:
         return None
+    if args.precision != "fp32":  # pipeline stages are planned in float32 only
+        from planner.feasibility import PlanInfeasible
+        from planner.planner import shortfall_message
+
+        raise PlanInfeasible(f"{shortfall_message(plan)}. With --precision {args.precision} no pipeline is tried "
+                             f"(pipeline stages are planned in float32 only)")
     if args.zero not in ("auto", "0"):  # the pipeline runtime keeps training state whole
         from planner.feasibility import PlanInfeasible
         from planner.planner import shortfall_message
@@ -177,23 +190,35 @@ def plan_run(args: argparse.Namespace) -> int:
 
     check_outputs({"-o": args.output},  # before the synthesis it would throw away
                   inputs={"--cluster": args.cluster, "--model": model_file(args.model)})
+    if args.stages is not None and args.precision != "fp32":
+        raise ValueError(f"--precision {args.precision} with --stages {args.stages}: pipeline stages are planned in "
+                         f"float32 only; use --precision fp32 or drop --stages")
     if args.stages is not None and args.zero not in ("auto", "0"):
         raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")
     started = time.perf_counter()
-    plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
-                         num_devices=args.devices, ratios=_parse_ratios(args.ratios),
-                         allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
-                         measure_ops=args.measure_ops, data_parallel=args.data_parallel,
-                         bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True, zero=args.zero)
-    stages = _stages_to_try(plan, args)
-    plan = _pipeline(plan, args, stages)
+    key = plan_cache.cli_key(args)
+    cached = plan_cache.lookup(key) if key is not None else None
+    if cached is not None:
+        plan, stages = cached.plan, None
+    else:
+        plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
+                             num_devices=args.devices, ratios=_parse_ratios(args.ratios),
+                             allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
+                             measure_ops=args.measure_ops, data_parallel=args.data_parallel,
+                             bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True, zero=args.zero,
+                             precision=args.precision)
+        stages = _stages_to_try(plan, args)
+        plan = _pipeline(plan, args, stages)
+        if key is not None:
+            plan_cache.store(key, plan, plan_cache.model_files(args.model))
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
                      "baselines": {k: v.model_dump() for k, v in plan.baselines.items()},
                      "sharding_ratios": plan.sharding_ratios, "instruction_mix": instruction_mix(plan),
-                     "synthesis": plan.synthesis.model_dump()})
+                     "precision": plan.precision_policy().model_dump(mode="json"),
+                     "synthesis": plan.synthesis.model_dump(), "cached": cached.created if cached else None})
     else:
         print(plan_summary_text(plan))
         if plan.pipeline is not None:
@@ -202,6 +227,8 @@ def plan_run(args: argparse.Namespace) -> int:
             print("\npipeline: no stage choice of 2..8 stages fits the memory estimate; SPMD plan kept")
         if stages is not None:
             print(f"planning time (SPMD and pipeline): {time.perf_counter() - started:.1f} s")
+        if cached is not None:
+            print(f"(cached plan from {cached.created}; --no-cache plans again)")
         print(f"\nwrote {args.output}")
     return 0
 
@@ -260,7 +287,8 @@ def run_run(args: argparse.Namespace) -> int:
         preflight(plan, opts)  # output paths and checkpoint, before any planning or training
         if args.devices is not None and args.devices != plan.cluster.num_devices:
             ref = args.model or plan.model.ref
-            plan, path = hetsynth.plan(ref, cluster=plan.cluster.first(args.devices)), None
+            plan, path = hetsynth.plan(ref, cluster=plan.cluster.first(args.devices),
+                                       precision=plan.precision_policy().precision.value), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
         elif args.model is not None:  # the plan with --model as its reference, written in the run's directory
             plan, path = with_model_ref(plan, args.model), None
@@ -310,7 +338,7 @@ def show_run(result: "RunResult", command: str = "run") -> int:
     if result.failure is not None:
         print(f"hetsynth {command}: {result.failure}", file=sys.stderr)
     for r in result.comparisons[:-1]:
-        print(f"check (information) {r.describe()}: {'within' if r.ok else 'beyond'} {r.dtype} tolerance")
+        print(f"check (information) {r.describe()}: {'within' if r.ok else 'beyond'} {r.judged} tolerance")
     if result.checked is not None and result.failure is None:
         print(f"check: {result.checked.describe()}: {'OK' if result.checked.ok else 'FAILED'}")
     return result.rc
@@ -378,6 +406,8 @@ def profile_run(args: argparse.Namespace) -> int:
     import os
 
     from instruction_set.cluster import load_cluster
+    from instruction_set.matmul_rates import Dtype
+    from profiling.matmul_dtypes import unsupported_claims
     from runtime.launch import launch_checked
 
     cluster = load_cluster(args.cluster)
@@ -389,6 +419,11 @@ def profile_run(args: argparse.Namespace) -> int:
                              *(["--records", os.path.abspath(args.records)] if args.records else [])],
                    "profiling")
     measured = load_cluster(output)
+    for name, kind in measured.device_kinds.items():
+        rates = ", ".join(f"{d.value} {kind.rate_flops(d) / 1e9:.2f}" for d in Dtype if kind.rate_flops(d) is not None)
+        print(f"  {name:24s} matmul GFLOP/s: {rates}")
+    for line in unsupported_claims(cluster, measured):
+        print(f"warning: {line}")
     for name, per_class in (measured.calibration.collectives if measured.calibration else {}).items():
         line = ", ".join(f"{c}: {ab.latency_us:.0f} us, {ab.bandwidth_gbps:.3f} Gbit/s" for c, ab in per_class.items())
         print(f"  {name:24s} {line}")

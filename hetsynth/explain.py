@@ -29,6 +29,14 @@ def shard_rows(plan: Plan, rank: int) -> list[list[str]]:
     return rows
 
 
+def _precision_text(plan: Plan, kind: str) -> str:
+    """What a device of `kind` computes in under the plan's policy, in words."""
+    policy = plan.precision_policy()
+    k = policy.of(kind)
+    return (f"computes in {k.compute_dtype.value}{' with loss scaling' if k.loss_scaling else ''} "
+            f"(master weights {policy.master_dtype}, gradients reduced in {policy.reduce_dtype})")
+
+
 def explain(plan: Plan, rank: int) -> str:
     """Rank `rank`'s generated program and shard table, as text."""
     n = plan.cluster.num_devices
@@ -38,7 +46,8 @@ def explain(plan: Plan, rank: int) -> str:
     program = build_rank_program(plan, Groups.local_only(mesh, rank))
     device = plan.cluster.devices[rank]
     head = (f"rank {rank} of {n}: device {device.name} ({device.kind}), node {mesh.node(rank)}, "
-            f"local index {mesh.local(rank)}, ratio {plan.sharding_ratios[rank]:.4f}")
+            f"local index {mesh.local(rank)}, ratio {plan.sharding_ratios[rank]:.4f}, "
+            f"{_precision_text(plan, device.kind)}")
     modules = [f"  {name}: {module}" for name, module in program.module.named_children()]
     params = [f"  {p.name} ({p.fqn}): {p.layout}, gradient sync: "
               f"{p.sync.describe() if p.sync else 'none'}" for p in program.params]

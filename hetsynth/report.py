@@ -67,8 +67,9 @@ def cluster_summary(spec: ClusterSpec) -> dict[str, Any]:
 
 
 def cluster_summary_text(summary: dict[str, Any]) -> str:
-    kinds = [[k, v["count"], si(v["throughput_flops"], "FLOP/s"), f"{v['memory_gib']:g} GiB",
-              "measured" if v["measured"] else "nominal"] for k, v in summary["kinds"].items()]
+    kinds = [[k, v["count"], si(v["throughput_flops"], "FLOP/s"), half_rates_text(v.get("matmul_flops")),
+              f"{v['memory_gib']:g} GiB", "measured" if v["measured"] else "nominal"]
+             for k, v in summary["kinds"].items()]
     nodes = [[name, n["devices"], n["kind"], f"{n['intra_bandwidth_gbps']:g}", f"{n['nic_bandwidth_gbps']:g}"]
              for name, n in _node_runs(summary["nodes"])]
     links = summary["links"]
@@ -76,7 +77,7 @@ def cluster_summary_text(summary: dict[str, Any]) -> str:
         f"cluster      {summary['name']}  ({summary['fingerprint']})",
         f"devices      {summary['num_devices']} on {summary['num_nodes']} nodes; total "
         f"{si(summary['total_throughput_flops'], 'FLOP/s')}, {summary['total_memory_gib']:g} GiB",
-        table(kinds, ["kind", "count", "throughput", "memory", "figures"]),
+        table(kinds, ["kind", "count", "throughput", "16-bit", "memory", "figures"]),
         "",
         table(nodes, ["node", "devices", "kind", "intra Gbit/s", "NIC Gbit/s"]),
         "",
@@ -84,6 +85,12 @@ def cluster_summary_text(summary: dict[str, Any]) -> str:
         f"{links['intra_node_latency_us']:g} us; inter-node {links['inter_node_bandwidth_gbps']:g} "
         f"Gbit/s, {links['inter_node_latency_us']:g} us",
     ])
+
+
+def half_rates_text(rates: dict[str, float | None] | None) -> str:
+    """A kind's 16-bit matmul rates, `bf16 312 T, fp16 312 T`, or `none`."""
+    shown = [(short, rates.get(name)) for name, short in (("bfloat16", "bf16"), ("float16", "fp16"))] if rates else []
+    return ", ".join(f"{short} {si(rate)}" for short, rate in shown if rate is not None) or "none"
 
 
 def _node_runs(nodes: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -107,6 +114,7 @@ def plan_summary_text(plan: Plan) -> str:
     lines = [
         f"model        {plan.model.ref}  ({plan.model.num_params:,} parameters, batch {plan.model.batch_size})",
         f"cluster      {plan.cluster.name}  ({plan.cluster.num_devices} devices)",
+        f"precision    {plan.precision_policy().describe()}",
         f"predicted    {p.step_time_s * 1e3:.2f} ms/step (compute {p.compute_s * 1e3:.2f} ms, "
         f"communication {p.communication_s * 1e3:.2f} ms); peak memory {mem:.2f} GiB "
         f"({'fits' if p.fits else 'DOES NOT FIT'}, smallest device {cap:g} GiB)",

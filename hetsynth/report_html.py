@@ -46,6 +46,7 @@ def cluster_section(plan: Plan) -> str:
     links = s["links"]
     return (f"<h2>Cluster {escape(s['name'])}</h2><p>{s['num_devices']} devices on {s['num_nodes']} nodes, "
             f"{si(s['total_throughput_flops'], 'FLOP/s')}, {s['total_memory_gib']:g} GiB in all</p>"
+            f"<p>precision {escape(plan.precision_policy().describe())}</p>"
             + table(["device kind", "count", "throughput", "memory", "figures"], kinds)
             + table(["node", "devices", "kind", "intra-node Gbit/s", "NIC Gbit/s"], nodes)
             + f"<p>links: intra-node {links['intra_node_bandwidth_gbps']:g} Gbit/s, {links['intra_node_latency_us']:g} us; "

@@ -5,16 +5,20 @@ the runtime) grouped into nodes. Devices of one node talk over the intra-node li
 of different nodes over the inter-node network, whose speed is the slowest NIC on the path
 (a node may declare its own `nic_bandwidth_gbps`).
 
-Units are part of the field names: throughput in FLOP/s, memory in GiB, link bandwidth in
-Gbit/s, memory bandwidth in GB/s, latency in microseconds.
+Units are part of the field names (instruction_set.units): throughput in FLOP/s, memory in
+GiB, link bandwidth in Gbit/s, memory bandwidth in GB/s, latency in microseconds.
 
 Specs are written in TOML (or JSON). A node lists its devices by name, or gives `kind` and
 `num_devices` as a shorthand that names them `<node>/<i>`:
 
     name = "a100-t4"
     [device_kinds.A100]
-    throughput_flops = 156e12
+    throughput_flops = 19.5e12
     memory_gib = 40
+    [device_kinds.A100.matmul_flops]
+    tf32 = 156e12
+    bfloat16 = 312e12
+    float16 = 312e12
     [[nodes]]
     name = "fast"
     kind = "A100"
@@ -34,11 +38,13 @@ import math
 import tomllib
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from instruction_set.calibration import Calibration
+from instruction_set.matmul_rates import HALF_DTYPES, Dtype, MatmulRates
+from instruction_set.units import Flops, GByteS, GiB, Gbps, Micros
 
 
 class ClusterSpecError(ValueError):
@@ -49,23 +55,6 @@ MAX_DEVICES = 65_536  # the largest cluster a spec may describe (see load_cluste
 MIN_QUOTA_US = 1000  # the least CFS quota the kernel takes (cpu.cfs_quota_us)
 
 
-def _within(low: float, high: float, unit: str) -> AfterValidator:
-    """A magnitude the planner can compute with: finite values far outside any device (1e308 GiB,
-    1e-300 FLOP/s) make its products overflow to inf or its quotients vanish, inside the solvers."""
-    def check(value: float | None) -> float | None:
-        if value is not None and not low <= value <= high:
-            raise ValueError(f"must be in [{low:g}, {high:g}] {unit}")
-        return value
-    return AfterValidator(check)
-
-
-Flops = Annotated[float, Field(gt=0), _within(1e3, 1e21, "FLOP/s")]
-GiB = Annotated[float, Field(gt=0), _within(1e-6, 1e6, "GiB")]
-GByteS = Annotated[float, Field(gt=0), _within(1e-6, 1e7, "GB/s")]
-Gbps = Annotated[float, Field(gt=0), _within(1e-6, 1e7, "Gbit/s")]
-Micros = Annotated[float, Field(ge=0), _within(0, 1e8, "us")]
-
-
 class _Frozen(BaseModel):
     """Strict scalars (no `true` for a count, no "16" for a number) and finite floats; lists
     are accepted for tuples (`Field(strict=False)` on those fields)."""
@@ -74,9 +63,13 @@ class _Frozen(BaseModel):
 
 
 class DeviceKind(_Frozen):
-    """A device model. `throughput_flops` is the effective dense matmul rate (peak or measured)."""
+    """A device model. `throughput_flops` is the effective dense float32 matmul rate (peak or
+    measured); `matmul_flops` the rate per dtype (instruction_set.matmul_rates), whose 16-bit
+    entries say which 16-bit types the kind computes in. A kind without the table runs float32
+    only; a table with `float32` may stand in for `throughput_flops`."""
 
     throughput_flops: Flops
+    matmul_flops: MatmulRates | None = None
     memory_gib: GiB
     memory_bandwidth_gbyte_s: GByteS = 500.0
     kernel_launch_us: Micros = 5.0
@@ -99,6 +92,33 @@ class DeviceKind(_Frozen):
         description="transfer_cpu_us_per_message for point-to-point messages (pipeline boundaries); "
                     "unset: transfer_cpu_us_per_message")
     measured: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _float32_rate(cls, raw: Any) -> Any:
+        """throughput_flops from matmul_flops.float32 when only the table gives it."""
+        if isinstance(raw, dict) and "throughput_flops" not in raw and isinstance(raw.get("matmul_flops"), dict):
+            rate = raw["matmul_flops"].get("float32")
+            return {**raw, "throughput_flops": rate} if rate is not None else raw
+        return raw
+
+    @model_validator(mode="after")
+    def _rates_agree(self) -> "DeviceKind":
+        given = self.matmul_flops.float32 if self.matmul_flops else None
+        if given is not None and given != self.throughput_flops:
+            raise ValueError(f"matmul_flops.float32 = {given:g} FLOP/s and throughput_flops = "
+                             f"{self.throughput_flops:g} FLOP/s differ; both are the float32 matmul rate, give one")
+        return self
+
+    def rate_flops(self, dtype: Dtype) -> float | None:
+        """Dense matmul FLOP/s in `dtype`; None where the kind does not run it."""
+        if dtype is Dtype.FLOAT32:
+            return self.throughput_flops
+        return self.matmul_flops.rate(dtype) if self.matmul_flops else None
+
+    def half_dtypes(self) -> tuple[Dtype, ...]:
+        """The 16-bit types the kind computes in (bfloat16 first), from its rate table."""
+        return tuple(d for d in HALF_DTYPES if self.rate_flops(d) is not None)
 
     def p2p_cpu(self) -> tuple[float, float]:
         """(gamma, us per message) of a point-to-point transfer on this kind: the profile's
@@ -151,6 +171,10 @@ class Emulation(_Frozen):
         "whose small packets (TCP acknowledgements) leave before the queued data and whose queues do not drop "
         "(as a full-duplex NIC: one direction's data does not hold back the other's acknowledgements); tbf: "
         "one tbf FIFO of 20 ms, which drops what does not fit")
+    memory_scale: float | None = Field(
+        default=None, gt=0, le=64, description="every worker's hard memory limit is its device kind's "
+        "memory_gib times this (a cgroup v1 memory group; a rank that exceeds it is killed and reported out "
+        "of memory); none: no limit")
 
     @model_validator(mode="after")
     def _quotas_positive(self) -> "Emulation":

@@ -28,6 +28,7 @@ from instruction_set.files import write_atomic
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import Layout
 from instruction_set.mesh import Mesh
+from instruction_set.mixed_precision import PrecisionPolicy, choose_policy
 from instruction_set.pipeline import Pipeline, PipelineStage
 from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
 from instruction_set.program import Instruction
@@ -37,7 +38,7 @@ from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientS
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 PLAN_CHANGES: dict[int, str] = {
     1: "the first format",
     2: "the mesh is an object (num_nodes, per_node, two_level, first_rank) instead of [nodes, per_node]; "
@@ -56,6 +57,8 @@ PLAN_CHANGES: dict[int, str] = {
        "the parameter stored as rows, gathered at each use; its gradient sync is in no bucket), a gradient "
        "bucket has a kind (all_reduce, or reduce_scatter for zero2 parameters) and state_shards a scatter_variant; "
        "plans of versions 2 to 5 read unchanged",
+    7: "the precision policy (precision: per device kind the compute dtype and loss scaling, master weights and "
+       "gradient reduction in float32; instruction_set.mixed_precision); plans of versions 2 to 6 read as float32",
 }
 
 
@@ -149,6 +152,9 @@ class Plan(_Frozen):
     state_shards: StateShards | None = Field(
         default=None, description="ZeRO-1/2/3 parameters' rows per rank (instruction_set.training_state); "
                                   "None when every parameter's state is replicated")
+    precision: PrecisionPolicy | None = Field(
+        default=None, description="what each device kind computes in (instruction_set.mixed_precision); None "
+                                  "in plans written before it was recorded: float32 everywhere")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -171,11 +177,20 @@ class Plan(_Frozen):
                                  f"runtime keeps every stage's training state whole; plan the stages without ZeRO")
         if self.gradient_sync is not None:
             check_buckets(self.gradient_sync, self.instructions)
+        if self.precision is not None:
+            kinds = sorted({d.kind for d in self.cluster.devices})
+            if sorted(self.precision.kinds) != kinds:
+                raise ValueError(f"the precision policy covers device kinds {sorted(self.precision.kinds)}, "
+                                 f"the cluster's devices are of kinds {kinds}")
         check_plan(PlanParts(ratios=self.sharding_ratios, mesh=self.mesh,
                              node_sizes=tuple(len(n.devices) for n in self.cluster.nodes), graph=self.graph,
                              shards=self.shards, instructions=self.instructions,
                              num_predicted=len(self.predicted.devices)))  # instruction_set.plan_checks
         return self
+
+    def precision_policy(self) -> PrecisionPolicy:
+        """The recorded policy, or float32 everywhere for a plan that records none."""
+        return self.precision if self.precision is not None else choose_policy(self.cluster)
 
     def placed(self, layout: Layout) -> MeshLayout:
         """`layout` on the plan's mesh: which rank holds what."""
@@ -214,7 +229,7 @@ def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:
         raw = _from_version_1(raw)
         log.warning("%s is plan format version 1; read as version %d (%s)", source, PLAN_VERSION,
                     PLAN_CHANGES[2])
-    if raw["version"] in (2, 3, 4, 5):  # 3 added the pipeline fields, 4 the training state, 5 the fused kinds, 6 zero2
+    if raw["version"] in (2, 3, 4, 5, 6):  # 3 pipelines, 4 training state, 5 fused kinds, 6 zero2, 7 precision
         raw = {**raw, "version": PLAN_VERSION}
     if raw["version"] != PLAN_VERSION:
         raise PlanError(

@@ -60,11 +60,13 @@ def _node(node: Node, target: str) -> Node:
 
 
 def with_float_dtype(plan: Plan, target: str) -> Plan:
-    """The plan with its floating-point tensors in `target` (float64, float32, ...)."""
+    """The plan with its floating-point tensors in `target` (float64, float32, ...), computing
+    in `target` everywhere: a twin has no mixed-precision policy (it checks the program)."""
     if target not in FLOATS:
         raise ValueError(f"dtype {target!r} is not a floating-point type; use one of {', '.join(FLOATS)}")
     graph = plan.graph.model_copy(update={"nodes": tuple(_node(n, target) for n in plan.graph.nodes)})
-    return plan.model_copy(update={"graph": graph, "model": plan.model.model_copy(update={"dtype": target})})
+    return plan.model_copy(update={"graph": graph, "model": plan.model.model_copy(update={"dtype": target}),
+                                   "precision": None})
 
 
 # The open lowered_ops_recorded() blocks: each collects {op: dtype it ran in}.

@@ -22,11 +22,15 @@
 5. What training needs is checked here, at plan time, not on the ranks: at least one trainable
    (floating-point, requires_grad) parameter, and a loss that is one floating-point scalar
    through which gradients reach the parameters (not detached, not computed under no_grad).
+6. A model of N >= block_capture.MIN_BLOCKS identical blocks is traced with 2, 3 and 4 of
+   them and its graph assembled, node for node the graph of tracing all N (planner.block_capture:
+   checked on 4 blocks); the whole model is traced where that does not apply.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import operator
 from collections import Counter
 from contextlib import contextmanager
@@ -44,10 +48,12 @@ from instruction_set.interpret import RUN_AS
 from instruction_set.models import ModelSpec
 from instruction_set.rules import is_supported
 from instruction_set.rules.moe import flop_formulas
+from planner.block_capture import NotReplicable, by_blocks, repeated_list, truncated
 from planner.lower import Lowered, LoweringError, lower, place
 from planner.saved_tensors import with_saved
 
 META = torch.device("meta")
+log = logging.getLogger(__name__)
 
 
 class CaptureError(ValueError):
@@ -306,8 +312,25 @@ def capture_spec(spec: ModelSpec, *, allow_replicate_fallback: bool = False) -> 
 
 
 def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_ref: str = "",
-            allow_replicate_fallback: bool = False) -> ReferenceGraph:
-    """Export `model` with `example_inputs` and build its reference graph."""
+            allow_replicate_fallback: bool = False, by_block: bool = True) -> ReferenceGraph:
+    """Export `model` with `example_inputs` and build its reference graph. With `by_block`, a
+    model of N >= MIN_BLOCKS identical blocks is traced with 2, 3 and 4 of them and its graph
+    assembled (planner.block_capture: the same graph, checked on 4 blocks); where that does not
+    apply or the check fails, the whole model is traced."""
+    found = repeated_list(model) if by_block else None
+    if found is not None:
+        path, blocks = found
+
+        def trace(k: int) -> ReferenceGraph:
+            with truncated(blocks, k):
+                return capture(model, example_inputs, model_ref=model_ref,
+                               allow_replicate_fallback=allow_replicate_fallback, by_block=False)
+
+        try:
+            return by_blocks(trace, path, len(blocks))
+        except (NotReplicable, CaptureError) as err:
+            log.info("capture by block of %s (%d blocks) not used, the whole model is traced: %s",
+                     path, len(blocks), str(err).splitlines()[0])
     lowered = _export(model, example_inputs)
     _check_trainable(model)  # after export: a forward that cannot be traced is the first thing to fix
     replay, nodes, higher_order = _Replay(), [], set()

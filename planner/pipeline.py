@@ -171,12 +171,21 @@ def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], 
                               schedules={str(s): merged[str(s)] for s in Schedule if str(s) in merged}, timeline=events)
 
 
+def check_float32(spmd: Plan) -> None:
+    """ValueError for a plan whose policy computes in 16 bits: stages are costed in float32 only."""
+    policy = spmd.precision_policy()
+    if policy.is_mixed:
+        raise ValueError(f"pipeline stages are planned in float32 only; the plan's precision is {policy.describe()} "
+                         f"(plan it with precision fp32 for a pipeline)")
+
+
 def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice], *, num_micro: int,
                        schedule: Schedule = Schedule.EAGER_1F1B, ratios: Sequence[Sequence[float] | None] | None = None,
                        width: int = 64, measure: MeasureAt | None = None) -> Plan:
     """`spmd` (the best SPMD plan of the model on the whole cluster) with the pipeline of the
     given stage choice, shape pipeline (module docstring). `measure` times the ops of each
     micro-batch size (planner.microbatch.micro_graphs)."""
+    check_float32(spmd)
     cluster, full = spmd.cluster, spmd.graph
     try:
         sizes = micro_batch_sizes(spmd.model.batch_size, num_micro)
@@ -268,6 +277,7 @@ def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int 
     the schedule (unless given) the simulation predicts fastest of those that fit. The plan's
     shape is the pipeline when it is predicted faster than the SPMD plan by more than 2 % or only
     it fits."""
+    check_float32(spmd)
     cluster = spmd.cluster
     groups = rank_groups(cluster, num_stages)
     speeds = cluster.throughputs_flops()
@@ -285,6 +295,7 @@ def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, sc
     when no candidate fits the estimate's memory or the model has no blocks to cut between."""
     from planner.stage_dp import choose_stages
 
+    check_float32(spmd)
     batch = spmd.model.batch_size
     found = choose_stages(spmd.graph, spmd.cluster, block_starts(spmd.graph), batch=batch, max_stages=max_stages,
                           schedules=[schedule] if schedule else tuple(Schedule), top_k=top_k,

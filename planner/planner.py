@@ -21,7 +21,9 @@ when even recomputing all does not, the search is repeated with a memory penalty
 x4 per attempt) on replicated parameters and activations, which steers it to sharded
 storage; if no attempt fits, `PlanInfeasible` names the device that is short of memory, by
 how many GiB, for the best plan found. A problem whose training state alone exceeds the
-cluster's memory is refused before any search (planner.feasibility).
+cluster's memory is refused before any search (planner.feasibility). Under a precision policy
+(make_plan's `precision`) all of this runs on the graph and cluster as the policy costs them
+(cost_models.precision: each kind at its compute dtype's matmul rate, activations at their width).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from cost_models.memory import GIB
+from cost_models.precision import costed
 from cost_models.terms import seconds
 from instruction_set.cluster import ClusterSpec
 from instruction_set.graph import ReferenceGraph
 from instruction_set.layouts import P, R, Layout
+from instruction_set.mixed_precision import Precision, choose_policy
 from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
 from instruction_set.plan_checks import ShardTable
 from instruction_set.program import COLLECTIVES, Instruction
@@ -46,7 +50,7 @@ from instruction_set.training_state import TrainingState
 from planner import baselines
 from planner.evaluate import first_input_layouts, instruction_term, predict
 from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
-from planner.problem import Problem, Restrictions, plan_problem
+from planner.problem import Problem, Restrictions, plan_problem, plan_views
 from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
 from planner.recompute import fit_by_recompute
@@ -376,7 +380,7 @@ def shortfall_message(plan: Plan) -> str:
     pb = plan_problem(plan)
     program = tuple(unfuse_program(pb, plan.instructions))
     prediction, sync = predict_program(pb, program, None)
-    return _shortfall_message(plan.graph, plan.cluster, Candidate(plan.sharding_ratios, program, prediction, sync, pb))
+    return _shortfall_message(pb.graph, pb.cluster, Candidate(plan.sharding_ratios, program, prediction, sync, pb))
 
 
 def _most_memory_saving(best: Candidate, allow_zero: bool = True) -> tuple[Problem, tuple[Instruction, ...]]:
@@ -445,13 +449,21 @@ def model_info(graph: ReferenceGraph) -> ModelInfo:
 def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[float] | None = None,
               width: int = DEFAULT_WIDTH, progress: bool = True,
               restrictions: Restrictions | None = None, with_baselines: bool = True,
-              bucket_cap: int | None = None, allow_zero: bool = True, keep_unfit: bool = False) -> Plan:
+              bucket_cap: int | None = None, allow_zero: bool = True, keep_unfit: bool = False,
+              precision: Precision | str = Precision.FP32) -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests); `bucket_cap`
     forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest);
-    `keep_unfit` as in `search_plan` (the plan's `predicted.fits` then says so)."""
+    `keep_unfit` as in `search_plan` (the plan's `predicted.fits` then says so). `precision`
+    chooses each device kind's compute dtype (instruction_set.mixed_precision; PrecisionError
+    where a kind lacks the one asked for); search, LP and baselines cost the graph and cluster
+    as that policy makes them (cost_models.precision), and the plan records the policy."""
     start = time.perf_counter()
-    best, stats = search_plan(graph, cluster, ratios=ratios, width=width, progress=progress,
+    policy = choose_policy(cluster, precision)
+    costed_graph, costed_cluster = costed(graph, cluster, policy)
+    if policy.is_mixed:
+        log.info("precision %s", policy.describe())
+    best, stats = search_plan(costed_graph, costed_cluster, ratios=ratios, width=width, progress=progress,
                               restrictions=restrictions, allow_zero=allow_zero, keep_unfit=keep_unfit)
     seconds = time.perf_counter() - start
     if with_baselines:
@@ -470,11 +482,12 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
         graph=graph, sharding_ratios=best.ratios,
         shards=shard_table(pb, program), instructions=finalize(pb, program),
         predicted=prediction, gradient_sync=sync, state_shards=state_shards(pb, program),
-        baselines=baselines.all_baselines(graph, cluster, width=width) if with_baselines else {},
+        baselines=baselines.all_baselines(costed_graph, costed_cluster, width=width) if with_baselines else {},
         synthesis=SynthesisStats(seconds=seconds, search_seconds=stats.search_s,
                                  lp_seconds=stats.lp_s, states_expanded=stats.expanded,
                                  rounds=stats.rounds, heuristic="compute suffix + pending conversions",
                                  exact=stats.exact),
+        precision=policy,
     )
 
 
@@ -512,11 +525,12 @@ def with_zero(plan: Plan, state_ratios: Sequence[float] | None = None,
     (`scatter_variant`: the ZeRO-2 gradients' reduce-scatter variant; default the fastest)."""
     variants = {"reduce_scatter": (scatter_variant,)} if scatter_variant else {}
     restrictions = Restrictions(two_level=plan.mesh.two_level, variants=variants)
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions)
+    graph, cluster = plan_views(plan)
+    pb = Problem(graph, cluster, plan.sharding_ratios, restrictions)
     program = with_states(plan.instructions, stage_candidates(pb, plan.instructions, state), state)
     q = tuple(_normalise(state_ratios, plan.cluster)) if state_ratios is not None else \
         solve_state_ratios(pb, program, "memory")[0]
-    pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios, restrictions, state_ratios=q)
+    pb = Problem(graph, cluster, plan.sharding_ratios, restrictions, state_ratios=q)
     prediction, sync = predict_program(pb, program)
     return plan.model_copy(update={"instructions": finalize(pb, program), "predicted": prediction,
                                    "gradient_sync": sync, "state_shards": state_shards(pb, program)})

@@ -34,6 +34,7 @@ from cost_models.compute import Reference, compute_cost, update_cost
 from cost_models.device_classes import DeviceClasses, device_classes
 from cost_models.linear_cost import LinearCost
 from cost_models.memory import activation_memory, param_memory
+from cost_models.precision import costed
 from instruction_set.cluster import ClusterSpec, DeviceKind
 from instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from instruction_set.kinds import Category, conversion_kind
@@ -463,13 +464,20 @@ class Problem:
 
 
 def plan_problem(plan: Plan, *, states: bool = True) -> Problem:
-    """The problem a finished plan lives in: its graph, cluster and ratios, the restrictions its
-    mesh records (a one-level plan's problem has a one-level mesh: no inner/outer axes, no
-    two-level layouts or device classes) and, with `states`, its ZeRO-1 state ratios (a program
+    """The problem a finished plan lives in: its graph, cluster (both as its precision costs
+    them: plan_views) and ratios, the restrictions its mesh records (a one-level plan's problem
+    has a one-level mesh: no inner/outer axes, no two-level layouts or device classes) and, with `states`, its ZeRO-1 state ratios (a program
     with zero1 parameters cannot be costed without them). Every re-costing of a plan builds its
     problem here."""
     state_ratios = plan.state_shards.ratios if states and plan.state_shards else None
-    return Problem(plan.graph, plan.cluster, plan.sharding_ratios, plan_restrictions(plan), state_ratios=state_ratios)
+    graph, cluster = plan_views(plan)
+    return Problem(graph, cluster, plan.sharding_ratios, plan_restrictions(plan), state_ratios=state_ratios)
+
+
+def plan_views(plan: Plan) -> tuple[ReferenceGraph, ClusterSpec]:
+    """The plan's graph and cluster as its precision policy costs them (cost_models.precision):
+    the kinds at their compute dtypes' rates, the activations at their width."""
+    return costed(plan.graph, plan.cluster, plan.precision_policy())
 
 
 def plan_restrictions(plan: Plan) -> Restrictions:

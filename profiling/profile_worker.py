@@ -69,6 +69,8 @@ def profile(rank: int, device: torch.device, args: argparse.Namespace) -> None:
                      "in flight (messages, transfer ms, lost ms): %s", d.name, d.kind, c["throughput_flops"] / 1e9,
                      c["memory_bandwidth_gbyte_s"], c["kernel_launch_us"],
                      ", ".join(f"({k}, {s * 1e3:.1f}, {x * 1e3:.1f})" for k, s, x in c["transfer_cpu_rows"]))
+            log.info("%-12s matmul GFLOP/s by dtype: %s", d.name,
+                     ", ".join(f"{k} {v / 1e9:.2f}" for k, v in c.get("matmul_flops", {}).items()))
             log.info("%-12s point-to-point: %s", d.name,
                      ", ".join(f"({k}, {s * 1e3:.1f}, {x * 1e3:.1f})" for k, s, x in c["p2p_cpu_rows"]) or "none")
         for name, kind in spec.device_kinds.items():

@@ -4,8 +4,10 @@ Run on every rank (`hetsynth profile`, via profiling.profile_worker), on an emul
 inside its quotas and shaped links, or on a real one (NCCL on GPUs):
 
 - compute: dense matmuls of the sizes the zoo models use (FLOP/s, the best of the sizes'
-  sustained rates, profiling.measure), a large elementwise add (memory bandwidth), a tiny
-  op (per-op launch overhead, what eager execution of a captured graph pays per op);
+  sustained rates, profiling.measure), the same in every other dtype the device runs
+  (tf32, bfloat16, float16, float8: the kind's matmul_flops, profiling.matmul_dtypes), a
+  large elementwise add (memory bandwidth), a tiny op (per-op launch overhead, what eager
+  execution of a captured graph pays per op);
 - communication: every collective variant of the runtime, on all ranks (link class "inter"
   when the cluster has several nodes), on each node's ranks ("intra") and on the cross-node
   groups ("outer"), for messages of 64 KiB to 16 MiB (64 MiB with `--max-bytes`) and shards
@@ -34,12 +36,15 @@ import torch.distributed as dist
 from cost_models.comm import collective_terms
 from instruction_set.calibration import AlphaBeta, Calibration
 from instruction_set.cluster import ClusterSpec
+from instruction_set.matmul_rates import Dtype
 from instruction_set.shards import largest_remainder
+from profiling.matmul_dtypes import dtype_rates, measured_rates
 from profiling.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
 from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
 from runtime.collectives.allreduce import reduce_ring
 from runtime.groups import Groups
 
+OTHER_DTYPES = tuple(d for d in Dtype if d is not Dtype.FLOAT32)  # float32 is throughput_flops
 SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest
 BUDGET_S = 1.5  # seconds of repetitions per measurement, at least one
 
@@ -89,7 +94,7 @@ def measure_compute(device: torch.device, seconds: float) -> dict[str, float]:
     tiny = torch.ones(1, device=device)
     launch = sustained_seconds(lambda: tiny + tiny, seconds / 4, sync)
     return {"throughput_flops": matmul_throughput(device, seconds), "memory_bandwidth_gbyte_s": bandwidth / 1e9,
-            "kernel_launch_us": launch * 1e6}
+            "kernel_launch_us": launch * 1e6, "matmul_flops": dtype_rates(device, seconds / 4, dtypes=OTHER_DTYPES)}
 
 
 def _shares(g: int, skew: tuple[float, float] | None) -> list[float]:
@@ -234,6 +239,8 @@ def measured_spec(cluster: ClusterSpec, compute: Sequence[dict], records: dict[s
         kinds[kind] = spec.model_copy(update={
             "throughput_flops": mean("throughput_flops"), "memory_bandwidth_gbyte_s": mean("memory_bandwidth_gbyte_s"),
             "kernel_launch_us": mean("kernel_launch_us"), "measured": True,
+            **({"matmul_flops": measured_rates([r["matmul_flops"] for r in rows])}
+               if rows and all("matmul_flops" in r for r in rows) else {}),
             **(fit_transfer_cpu([x for r in rows for x in r["transfer_cpu_rows"]])
                if all("transfer_cpu_rows" in r for r in rows) else {}),
             **(_p2p(fit_transfer_cpu([x for r in rows for x in r["p2p_cpu_rows"]]))

@@ -22,6 +22,11 @@ so a correct float32 run can differ from single-device training by about `2 * lr
 in a parameter. Its figures are printed against a tolerance for the dtype: `sqrt(eps)`
 relative for the loss (float32: 3.5e-4), `sqrt(eps) + 2 * lr * steps` for parameters and
 buffers (AdamW; `sqrt(eps)` for SGD).
+
+**A 16-bit precision policy** (runtime.mixed_precision): the run as planned is compared with
+single-device training under torch.autocast of the least precise 16-bit type its kinds compute
+in (no loss scaling on one device), at that type's tolerances (bfloat16: 8.8e-2 relative for
+the loss); the float64 twin has no policy and still decides.
 """
 
 from __future__ import annotations
@@ -44,6 +49,13 @@ class Comparison:
     loss_tolerance: float
     tensor_tolerance: float
     lowered: tuple[tuple[str, str], ...] = ()  # (op, the dtype it ran in): ops without a `dtype` kernel
+    policy: str = ""  # a 16-bit precision policy's description: the run was judged against its stand-in
+    half: str = ""    # that stand-in's 16-bit type, whose tolerances apply
+
+    @property
+    def judged(self) -> str:
+        """The dtype whose tolerances the comparison used."""
+        return self.half or self.dtype
 
     @property
     def ok(self) -> bool:
@@ -55,7 +67,9 @@ class Comparison:
             ops = ", ".join(f"{op} ({dtype})" for op, dtype in self.lowered)
             lowered = (f"; ops without a {self.dtype} kernel ran in a lower precision: {ops}, so the "
                        f"tolerances are {lowest_dtype(self.dtype, dict(self.lowered))}'s")
-        return (f"{self.dtype}: largest relative loss difference {self.loss_rel:.3e} (tolerance "
+        head = (f"{self.dtype} with precision {self.policy}, against {self.half} autocast on one device"
+                if self.policy else self.dtype)
+        return (f"{head}: largest relative loss difference {self.loss_rel:.3e} (tolerance "
                 f"{self.loss_tolerance:.1e}), largest parameter/buffer difference {self.worst_diff:.3e} "
                 f"in {self.worst or '-'} (tolerance {self.tensor_tolerance:.1e}){lowered}")
 
@@ -97,7 +111,8 @@ def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, toleranc
 
 def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float],
             tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-            tolerances: tuple[float, float], lowered: Mapping[str, str] | None = None) -> Comparison:
+            tolerances: tuple[float, float], lowered: Mapping[str, str] | None = None, policy: str = "",
+            half: str = "") -> Comparison:
     """The run's losses and final tensors against single-device training; NaN counts as
     the worst difference, and a tensor missing on either side fails. `lowered`: the ops that
     ran in a lower precision than `dtype` ({op: dtype}), named in the result."""
@@ -106,13 +121,14 @@ def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float
     for name in sorted(set(tensors) | set(expected)):
         if name not in tensors or name not in expected:
             if name in tensors:  # the run has a tensor the plain model does not
-                return Comparison(dtype, 0.0, name, math.inf, *tolerances, lowered=low)
+                return Comparison(dtype, 0.0, name, math.inf, *tolerances, lowered=low, policy=policy, half=half)
             continue  # an alias or a buffer the graph never reads: not trained
         diff = tensor_difference(tensors[name], expected[name])
         if math.isnan(diff) or diff > worst_diff:
             worst, worst_diff = name, math.inf if math.isnan(diff) else diff
     loss = loss_difference(losses, expected_losses)
-    return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances, lowered=low)
+    return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances, lowered=low,
+                      policy=policy, half=half)
 
 
 # -- the same check on a pool of ranks (tests, bench/families.py) ---------------------------------
@@ -134,7 +150,8 @@ def check_on_pool(pool: Any, plan: Any, config: Any, tolerance: float = 1e-9) ->
     from dataclasses import replace
 
     from instruction_set.precision import lowered_ops_recorded, with_float_dtype
-    from runtime.train import assemble, plan_reference
+    from runtime.rank_state import assemble
+    from runtime.train import plan_reference
 
     out = []
     for dtype in [plan.model.dtype] + (["float64"] if plan.model.dtype != "float64" else []):

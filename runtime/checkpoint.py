@@ -41,7 +41,8 @@ from instruction_set.models import ModelSpec
 from instruction_set.plan import Plan
 from runtime.codegen import local_slice
 from runtime.config import TrainConfig
-from runtime.train import Trainer, assemble, model_buffers
+from runtime.rank_state import assemble
+from runtime.train import Trainer, model_buffers
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: no checksums

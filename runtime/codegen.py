@@ -7,6 +7,11 @@ instructions are emitted in order:
   param / buffer   the rank's slice of the tensor (its storage layout), held by the module
                    (a ZeRO-3 parameter: its rows only, gathered by a GatherParamModule call at
                    each compute op that reads it; runtime.zero3)
+  ZeRO-3 chain     the gathers, a RegatherPoint on the outputs of each op that reads gathered
+                   parameters, and a ChainEnd on the loss, linked by a token in program order
+                   (recomputed blocks return their last token), so that their backwards, which
+                   reduce-scatter and gather again, run in one order on every rank whatever
+                   each rank's graph (runtime.zero3)
   input            a placeholder: the rank's rows of the batch (or all of it, for R)
   compute          the op on local shards, via instruction_set.local.emit_local (the code path
                    the single-process rule tests check), or an SFB linear
@@ -43,7 +48,7 @@ from instruction_set.blocks import recomputed_units
 from instruction_set.graph import Node
 from instruction_set.interpret import constant
 from instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
-from instruction_set.layouts import P, Layout
+from instruction_set.layouts import P, R, Layout
 from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
 from instruction_set.mesh import Mesh
 from instruction_set.plan import Plan
@@ -54,11 +59,15 @@ from instruction_set.training_state import TrainingState
 from runtime.collectives import Span
 from runtime.conversions import make_conversion, span
 from runtime.fused_ops import FusedLinear
+from runtime.mixed_precision import wire_dtype
 from runtime.groups import Groups
 from runtime.peephole import fuse_cross_entropy
 from runtime.recompute import emit_unit
 from runtime.sfb import SFBLinearModule
-from runtime.zero3 import GatherParamModule, ParamGathers
+from runtime.zero3 import GatherParamModule, ParamGathers, RegatherPointModule, chain_end, chain_start
+
+
+CHAIN = ("zero3_chain", R)  # the env's key of the ZeRO-3 chain's latest token (runtime.zero3)
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,7 @@ class _Emitter:
         self.syncs = {i.tensor: i for i in plan.instructions if i.kind == "all_reduce" and i.phase == "backward"}
         self.zero3: set[str] = set()   # ZeRO-3 parameters: rows, gathered at each use
         self.gathers = ParamGathers()
+        self.chain_tail: dict[fx.Graph, fx.Node] = {}  # per graph (main, recomputed bodies): its latest token
 
     def _local_value(self, node: Node, layout: Layout) -> torch.Tensor:
         meta = node.out
@@ -159,6 +169,9 @@ class _Emitter:
         span = Span(whole_span.group, whole_span.members, whole_span.index, 0, rows)
         self.root.add_module(f"gather_{name}", GatherParamModule(span, shards.variant, shards.scatter_variant,
                                                                  self.gathers))
+        if not self.zero3:
+            self.root.add_module("zero3_regather", RegatherPointModule(self.gathers))
+            self.env[CHAIN] = self.graph.call_function(chain_start, (self.device,))
         self.zero3.add(name)
         return whole.narrow(0, sum(rows[:whole_span.index]), rows[whole_span.index]).clone()
 
@@ -166,8 +179,40 @@ class _Emitter:
         """A value for a compute op: a ZeRO-3 parameter gathered for this use."""
         value = self.env[(tensor, layout)]
         if tensor in self.zero3:
-            return self.graph.call_module(f"gather_{tensor}", (value,))
+            call = self.graph.call_module(f"gather_{tensor}", (value, self.env[CHAIN]))
+            self._link(self.graph.call_function(operator.getitem, (call, 1)))
+            return self.graph.call_function(operator.getitem, (call, 0))
         return value
+
+    def _link(self, token: fx.Node) -> None:
+        self.env[CHAIN] = self.chain_tail[self.graph] = token
+
+    def _regather_point(self, out: fx.Node) -> fx.Node:
+        """`out` (an op's value) through a RegatherPoint, the next link of the chain."""
+        call = self.graph.call_module("zero3_regather", (self.env[CHAIN], out))
+        self._link(self.graph.call_function(operator.getitem, (call, 0)))
+        return self.graph.call_function(operator.getitem, (call, 1))
+
+    def _unit_returns_token(self, call: fx.Node) -> None:
+        """A recomputed block's call returns its body's last token too (after the values it
+        returns), and the main graph's chain goes on from it."""
+        body = self.root.get_submodule(call.target).body
+        tail = self.chain_tail.get(body.graph)
+        if tail is None:
+            return
+        out = next(n for n in reversed(body.graph.nodes) if n.op == "output")
+        returned = tuple(out.args[0])
+        out.args = ((*returned, tail),)
+        body.recompile()
+        self._link(self.graph.call_function(operator.getitem, (call, len(returned))))
+
+    def _end_chain(self) -> None:
+        """The program's loss through ChainEnd (after the peephole rewrites, which read the loss)."""
+        out = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+        loss, *rest = out.args[0]
+        with self.graph.inserting_before(out):
+            end = self.graph.call_function(chain_end, (loss, self.env[CHAIN]))
+        out.args = ((end, *rest),)
 
     def data_input(self, ins: Instruction) -> None:
         self.inputs.append((ins.tensor, ins.layout))
@@ -183,6 +228,8 @@ class _Emitter:
             out = self._sfb(ins, node, values)
         else:
             out = emit_local(node, ins.local, values, self._context(node, ins), FxBuilder(self.graph))
+        if self.zero3 & set(node.inputs):
+            out = self._regather_point(out)
         self.env[(ins.node, ins.layout)] = out
 
     def _context(self, node: Node, ins: Instruction) -> LocalContext:
@@ -234,8 +281,9 @@ class _Emitter:
                   for i, (t, l) in enumerate(zip(node.inputs, ins.inputs))]
         tensor, layout = (x, ins.src) if ins.kind == "ag_matmul" else (ins.tensor, ins.layout)
         name = f"{ins.kind}_{node.name}"
-        self.root.add_module(name, FusedLinear(ins.kind, span(self.plan, self.groups, tensor, layout, ins.axis),
-                                               ins.variant))
+        fused = FusedLinear(ins.kind, span(self.plan, self.groups, tensor, layout, ins.axis), ins.variant)
+        fused.wire = wire_dtype(self.plan, x)
+        self.root.add_module(name, fused)
         out = self.graph.call_module(name, tuple(values))
         if ins.kind == "ag_matmul":
             self.env[(x, ins.inputs[0])] = self.graph.call_function(operator.getitem, (out, 1))
@@ -254,7 +302,9 @@ class _Emitter:
         while index < len(self.plan.instructions):
             if index in units:  # a recomputed block: one checkpointed call (runtime.recompute)
                 unit = units[index]
-                ends.append((unit.last - 1, emit_unit(self, unit, _emit_one).name))
+                call = emit_unit(self, unit, _emit_one)
+                self._unit_returns_token(call)
+                ends.append((unit.last - 1, call.name))
                 index = unit.last
                 continue
             ins = self.plan.instructions[index]
@@ -266,6 +316,8 @@ class _Emitter:
         self.graph.output((self.env[(self.plan.graph.loss, P)], *[v for _, v in self.updates],
                            *[self.env[out] for out in self.outputs]))
         into = fuse_cross_entropy(self.graph)
+        if self.zero3:
+            self._end_chain()
         module = fx.GraphModule(self.root, self.graph, class_name=f"Rank{self.rank}Program")
         return RankProgram(module, self.params, self.inputs, [b for b, _ in self.updates],
                            ends=[(k, n) for k, n in ends if n not in into], outputs=self.outputs,

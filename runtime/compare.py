@@ -22,10 +22,21 @@ tracing, interleaved), and every rank writes its raw record to `--trace-raw DIR`
 A pipeline plan (shape pipeline) is trained by runtime.pipeline's executor; its phases are
 this rank's actions, gradient syncs and update (runtime.pipeline.trainer.train_step).
 
+`--user NAME=PLAN` adds PLAN's module (runtime.parallel.ParallelModule, what
+`hetsynth.parallelize` returns) trained by a user's loop: torch's AdamW on its parameters,
+forward, backward, clip_grad_norm_, step, zero_grad, global_loss; its step time is that loop's
+wall time, phases not split.
+
 Besides plans, `--ddp NAME=MODE:PLAN` adds torch's DistributedDataParallel on the plain model
 (runtime.ddp) with the per-rank rows that PLAN gives its batch input: MODE `mean` is DDP as users
 run it (every rank backpropagates its own mean loss), `weighted` adds the loss weights that make
 uneven rows train the global batch. Its entries are interleaved with the plans' like any other.
+
+`--fsdp NAME=MODE:PLAN` adds torch's FSDP2 (runtime.fsdp) on PLAN's model and batch: MODE `even`
+splits the batch evenly (as users run it), `proportional` in proportion to the throughput of
+PLAN's devices with runtime.ddp's loss weights; a `-ckpt` suffix adds activation checkpointing
+to every block. Every entry keeps its own model and optimizer state for the whole launch, so
+where memory binds, time one memory-hungry entry per launch (bench/memory_bound.py).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,10 +63,14 @@ from runtime.pipeline import trainer as pipeline_trainer
 from runtime.plan_handoff import load_rank_plan
 from runtime.rank import run_rank
 from runtime.ddp import DDPTrainer, ddp_setup
+from runtime.fsdp import even_rows, fsdp_setup, proportional_rows
 from runtime.timing import StepTracer
-from runtime.train import StepLog, Trainer, local_batch, rank_rows, setup, train_step
+from runtime.parallel import ParallelModule
+from runtime.train import (StepLog, Trainer, batch_rows, full_state, local_batch, make_optimizer, rank_rows, setup,
+                           train_step)
 
 DDP_MODES = ("mean", "weighted")
+FSDP_MODES = ("even", "even-ckpt", "proportional", "proportional-ckpt")
 
 
 class PlanEntry:
@@ -81,6 +97,30 @@ class TracedEntry(PlanEntry):
         return self.tracer.step(step, inputs)
 
 
+class UserLoopEntry:
+    """A plan's module in a user's loop (module docstring)."""
+
+    def __init__(self, plan: Plan, groups: Groups, config: TrainConfig) -> None:
+        self.spec, self.config, self.batch = parse_model_ref(plan.model.ref), config, plan.model.batch_size
+        state = full_state(self.spec, config.seed)
+        self.module = ParallelModule(plan, groups, state, {k: k for k in state}, torch.device("cpu"))
+        self.optimizer = make_optimizer(list(self.module.parameters()), config)
+
+    def make_batch(self, step: int) -> list[torch.Tensor]:
+        return batch_rows(self.spec, self.module.rows, step * self.batch, self.config.data_seed)
+
+    def step(self, step: int, inputs: list[torch.Tensor]) -> StepLog:
+        start = time.perf_counter()
+        loss = self.module(*inputs)
+        loss.backward()
+        if self.config.max_grad_norm is not None:
+            self.module.clip_grad_norm_(self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        total = self.module.global_loss(loss)
+        return StepLog(total, time.perf_counter() - start)
+
+
 class PipelineEntry:
     """A pipeline plan's trainer (runtime.pipeline): its micro-batches' data is made inside
     the step, by each stage for its own rows (a few random tokens: not prefetched)."""
@@ -101,7 +141,7 @@ class PipelineEntry:
         return list(self.trainer.events)
 
 
-Entry = PlanEntry | PipelineEntry | DDPTrainer
+Entry = PlanEntry | UserLoopEntry | PipelineEntry | DDPTrainer  # DDP and FSDP2 entries alike
 
 
 def nic_tx_bytes() -> int | None:
@@ -163,8 +203,8 @@ def aligned_events(by_rank: list[list[list[tuple[str, int, float, float]]]]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="runtime.compare")
-    p.add_argument("--plans", nargs="+", required=True)
-    p.add_argument("--names", nargs="+", required=True)
+    p.add_argument("--plans", nargs="*", default=[])
+    p.add_argument("--names", nargs="*", default=[])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="steps per plan per round")
@@ -173,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-raw", help="directory for every rank's raw record of the traced steps")
     p.add_argument("--ddp", nargs="*", default=[], metavar="NAME=MODE:PLAN",
                    help="torch DDP entries: MODE mean|weighted, rows per rank from PLAN's batch input")
+    p.add_argument("--fsdp", nargs="*", default=[], metavar="NAME=MODE:PLAN",
+                   help=f"torch FSDP2 entries: MODE one of {', '.join(FSDP_MODES)} (module docstring)")
+    p.add_argument("--user", nargs="*", default=[], metavar="NAME=PLAN",
+                   help="PLAN's module (hetsynth.parallelize's) trained by a user's loop (module docstring)")
     args = p.parse_args(argv)
     if len(args.plans) != len(args.names):
         p.error(f"{len(args.plans)} --plans but {len(args.names)} --names: give one name per plan")
@@ -180,18 +224,44 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--traced {args.traced!r}: not one of the plans {args.names}")
     try:
         args.ddp = [parse_ddp(text) for text in args.ddp]
+        args.user = [parse_user(text) for text in args.user]
+        args.fsdp = [parse_fsdp(text) for text in args.fsdp]
     except ValueError as err:
         p.error(str(err))
     return run_rank(lambda rank, device: compare(rank, args), timeout_s=300, device=torch.device("cpu"))
 
 
-def parse_ddp(text: str) -> tuple[str, str, str]:
-    """`NAME=MODE:PLAN` -> (name, mode, plan path)."""
+def parse_moded(flag: str, text: str, modes: Sequence[str]) -> tuple[str, str, str]:
+    """`NAME=MODE:PLAN` of a --ddp or --fsdp entry -> (name, mode, plan path)."""
     name, _, rest = text.partition("=")
     mode, _, path = rest.partition(":")
-    if not name or mode not in DDP_MODES or not path:
-        raise ValueError(f"--ddp {text!r}: expected NAME=MODE:PLAN with MODE one of {', '.join(DDP_MODES)}")
+    if not name or mode not in modes or not path:
+        raise ValueError(f"{flag} {text!r}: expected NAME=MODE:PLAN with MODE one of {', '.join(modes)}")
     return name, mode, path
+
+
+def parse_ddp(text: str) -> tuple[str, str, str]:
+    return parse_moded("--ddp", text, DDP_MODES)
+
+
+def parse_fsdp(text: str) -> tuple[str, str, str]:
+    return parse_moded("--fsdp", text, FSDP_MODES)
+
+
+def fsdp_rows(plan: Plan, mode: str) -> list[int]:
+    """The FSDP2 entry's rows per rank: even, or in proportion to the devices' throughput."""
+    batch, world = plan.model.batch_size, plan.cluster.num_devices
+    if mode.startswith("even"):
+        return even_rows(batch, world)
+    return proportional_rows(batch, [plan.cluster.device_kind(r).throughput_flops for r in range(world)])
+
+
+def parse_user(text: str) -> tuple[str, str]:
+    """`NAME=PLAN` -> (name, plan path)."""
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise ValueError(f"--user {text!r}: expected NAME=PLAN")
+    return name, path
 
 
 def plan_rows(plan: Plan) -> list[int]:
@@ -202,7 +272,7 @@ def plan_rows(plan: Plan) -> list[int]:
 
 
 def _entries(rank: int, args: argparse.Namespace) -> tuple[dict[str, Entry], bool]:
-    """The entries in order (plans, then DDP) and whether this rank reads its node's NIC."""
+    """The entries in order (plans, user loops, DDP, then FSDP2) and whether this rank reads its node's NIC."""
     entries: dict[str, Entry] = {}
     reads_nic = False
     for name, path in zip(args.names, args.plans):
@@ -214,10 +284,18 @@ def _entries(rank: int, args: argparse.Namespace) -> tuple[dict[str, Entry], boo
         groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
         entries[name] = PlanEntry(setup(plan, groups, TrainConfig(steps=0)))
         reads_nic = groups.mesh.local(rank) == 0
+    for name, path in args.user:
+        plan = load_rank_plan(path)
+        entries[name] = UserLoopEntry(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), TrainConfig(steps=0))
     for name, mode, path in args.ddp:
         plan = load_rank_plan(path)
         entries[name] = ddp_setup(parse_model_ref(plan.model.ref), plan_rows(plan), TrainConfig(steps=0),
                                   group=dist.group.WORLD, rank=rank, weighted=mode == "weighted")
+    for name, mode, path in args.fsdp:
+        plan = load_rank_plan(path)
+        entries[name] = fsdp_setup(parse_model_ref(plan.model.ref), fsdp_rows(plan, mode), TrainConfig(steps=0),
+                                   group=dist.group.WORLD, rank=rank, weighted=mode.startswith("proportional"),
+                                   checkpoint=mode.endswith("-ckpt"))
     return entries, reads_nic
 
 

@@ -21,14 +21,23 @@ from instruction_set.program import Instruction
 from instruction_set.shards import MeshLayout
 from runtime import collectives as C
 from runtime.groups import Groups
+from runtime.mixed_precision import wire_dtype
 
 
 class Conversion(nn.Module):
+    """One instruction's collective. `wire`: the dtype it carries (runtime.mixed_precision's
+    wire_dtype); a floating input in another dtype (under autocast, a 16-bit activation, or a
+    float32 one of an op autocast keeps in float32) is cast to it first, so every rank of the
+    collective sends and receives one dtype."""
+
     def __init__(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor], description: str) -> None:
         super().__init__()
         self.name, self.fn, self.description = name, fn, description
+        self.wire: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wire is not None and x.dtype != self.wire and x.is_floating_point():
+            x = x.to(self.wire)
         return self.fn(x)
 
     def extra_repr(self) -> str:
@@ -54,7 +63,9 @@ CONVERSIONS: Implementations[Builder] = Implementations("conversion")
 
 def make_conversion(plan: Plan, groups: Groups, ins: Instruction) -> Conversion:
     """The module running one forward layout-change instruction on this rank."""
-    return CONVERSIONS.get(ins.kind, phase=ins.phase)(plan, groups, ins)
+    conversion = CONVERSIONS.get(ins.kind, phase=ins.phase)(plan, groups, ins)
+    conversion.wire = wire_dtype(plan, ins.tensor)
+    return conversion
 
 
 def _head(ins: Instruction) -> str:

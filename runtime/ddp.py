@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from instruction_set.models import ModelSpec
@@ -47,10 +48,11 @@ class DDPSetupError(ValueError):
 
 @dataclass
 class DDPTrainer:
-    """torch DDP on this rank's rows (see the module docstring); `make_batch(step)` and
+    """torch's own data parallelism on this rank's rows (see the module docstring): `module` is
+    DDP-wrapped here, or fully_shard'ed (FSDP2, runtime.fsdp); `make_batch(step)` and
     `step(step, inputs)` as `runtime.train`'s trainer."""
 
-    module: DistributedDataParallel
+    module: nn.Module
     optimizer: torch.optim.Optimizer
     spec: ModelSpec
     rows: tuple[int, ...]

@@ -132,10 +132,18 @@ class FusedLinear(nn.Module):
         super().__init__()
         assert kind in FUSED_MATMULS, kind
         self.kind, self.span, self.variant = kind, span, variant
+        self.wire: torch.dtype | None = None  # the dtype its collective carries under autocast (codegen)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Any:
         fn = AGLinear if self.kind == "ag_matmul" else LinearRS
-        return fn.apply(x, w, b, self.span, self.variant)
+        if not torch.is_autocast_enabled(x.device.type):
+            return fn.apply(x, w, b, self.span, self.variant)
+        # Under autocast (runtime.mixed_precision) the ring and its hand-written backward run
+        # in one dtype on every rank, the wire's (the weight's when there is none): autocast's
+        # cast of the weight, made here, and the activation's.
+        dtype = self.wire or w.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return fn.apply(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype), self.span, self.variant)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.span.describe()}, variant={self.variant}"

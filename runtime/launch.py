@@ -33,6 +33,12 @@ What a run creates (work directory, agent sessions, the emulated cluster) is rec
 (runtime.runstate) and removed at the end, on errors, Ctrl-C and SIGTERM, or by the next
 `hetsynth` command after a SIGKILL.
 
+With emulated device memory (the spec's `emulation.memory_scale`), a rank the kernel's OOM
+killer ended in its memory group is named as out of memory with its limit and peak, whatever
+the other ranks reported about its going (a closed connection is a consequence); every rank's
+measured peak (the group's `memory.max_usage_in_bytes`) is logged and written to the work
+directory's MEMORY_FILE as {rank: {"limit_bytes", "peak_bytes", "failcnt", "oom_kills"}}.
+
 `check` also runs the plan's float64 twin and trains the plain single-device model in both
 dtypes, comparing the loss of every step and the final parameters and buffers (runtime.check);
 a resumed run is compared with single-device training resumed from the same checkpoint.
@@ -69,6 +75,8 @@ from runtime.outputs import check_outputs
 from runtime.pipeline.run import check_pipeline_args
 from runtime.plan_handoff import PATH_ENV, PLAN_ENV, validated_digest
 from runtime.runstate import RunRecord
+from runtime.memory_report import format_cgroup_peaks
+from runtime.mixed_precision import reference_dtype
 from runtime.train import plan_reference
 
 log = logging.getLogger(__name__)
@@ -182,6 +190,8 @@ LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}  # and i
 SETTLE_S = 2.0      # after a failure is found, how long the agents get to stop by themselves
 WATCHDOG_S = 2.0    # a rank without a heartbeat for timeout + this is stopped by the launcher
 POLL_S = 0.1
+MEMORY_FILE = "memory.json"  # in the work directory: the emulated ranks' memory groups (module docstring)
+MIB = 2**20
 
 
 @contextmanager
@@ -238,13 +248,36 @@ def _emulated(record: RunRecord, workdir: Path, cluster: ClusterSpec, torchrun: 
     hosts the store on its own address (and, with other nodes, holds it: runtime.agent)."""
     n = len(cluster.nodes)
     with emulation.Emulation(cluster, record=record) as emu:
-        env = env | {"GLOO_SOCKET_IFNAME": emulation.IFACE, emulation.ENV: emu.rank_env()}
+        env = env | {"GLOO_SOCKET_IFNAME": emulation.IFACE} | emu.worker_env()
         agents = [_start(record, workdir, i, emu.in_node(i, _agent(workdir, i, [
             f"--nnodes={n}", f"--node-rank={i}", f"--nproc-per-node={len(node.devices)}",
             f"--master-addr={emu.address(0)}", "--master-port=29500", *torchrun],
             None if i else "--hold-store" if n > 1 else "--bind-store")), env)
             for i, node in enumerate(cluster.nodes)]
-        return supervise(record, agents, workdir, cluster.num_devices, timeout_s)
+        rc, failure = supervise(record, agents, workdir, cluster.num_devices, timeout_s)
+        usage = emu.memory_usage()
+    if usage:
+        (workdir / MEMORY_FILE).write_text(json.dumps(usage))
+        log.info("%s", format_memory_usage(usage))
+    return rc, (out_of_memory(usage) or failure) if rc != 0 else failure
+
+
+def out_of_memory(usage: dict[int, dict[str, int]]) -> Failure | None:
+    """The lowest rank the OOM killer ended in its memory group, named with its limit."""
+    for rank, u in sorted(usage.items()):
+        if u["oom_kills"] > 0:
+            return Failure(rank, f"out of memory: killed by the OOM killer at its memory limit of "
+                                 f"{u['limit_bytes'] / MIB:.0f} MiB (peak {u['peak_bytes'] / MIB:.0f} MiB, "
+                                 f"{u['failcnt']} allocations refused at the limit)")
+    return None
+
+
+def format_memory_usage(usage: dict[int, dict[str, int]]) -> str:
+    """One line per rank: measured peak against the limit (MiB)."""
+    lines = ["measured peak memory per rank (cgroup memory.max_usage_in_bytes, MiB):"]
+    lines += [f"  rank {r}: peak {u['peak_bytes'] / MIB:.0f} of {u['limit_bytes'] / MIB:.0f} limit"
+              + (" (out of memory)" if u["oom_kills"] else "") for r, u in sorted(usage.items())]
+    return "\n".join(lines)
 
 
 def launch_checked(cluster: ClusterSpec, module_args: list[str], what: str, *, timeout_s: float = 900.0,
@@ -381,10 +414,13 @@ def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str)
     run = json.loads(Path(report).read_text())
     with lowered_ops_recorded() as lowered:  # ops without a `dtype` kernel (runtime.check)
         losses, expected = plan_reference(plan, config, read_checkpoint(opts.resume) if opts.resume else None)
-    tolerances = dtype_tolerances(dtype, opts.train.optimizer, opts.train.lr, opts.steps - run.get("first_step", 0),
+    half = reference_dtype(plan) if config.dtype is None else None  # the policy's stand-in on one device
+    judged = str(half).removeprefix("torch.") if half is not None else dtype
+    tolerances = dtype_tolerances(judged, opts.train.optimizer, opts.train.lr, opts.steps - run.get("first_step", 0),
                                   opts.tolerance, lowered)
+    policy = plan.precision_policy().describe() if half is not None else ""
     return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances,
-                   lowered)
+                   lowered, policy, judged if half is not None else "")
 
 
 @dataclass(frozen=True)
@@ -458,6 +494,9 @@ def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> RunResult:
             save_plan(plan, plan_path)
         digest = validated_digest(plan, plan_path)
         result, report, params = _train(plan, plan_path, opts, record, workdir, None, digest)
+        if opts.memory_report and (workdir / "plan" / MEMORY_FILE).exists():
+            usage = {int(r): u for r, u in json.loads((workdir / "plan" / MEMORY_FILE).read_text()).items()}
+            log.info("%s", format_cgroup_peaks(plan, usage))
         if result.rc != 0 or not opts.check:
             return result
         return _check(plan, plan_path, opts, record, workdir, (report, params), digest)

@@ -18,6 +18,12 @@ every rank:
 
 The prediction is the plan's (`DevicePrediction.state_gib`, `saved_gib`), its state scaled
 from the AdamW the planner assumes to the run's optimizer (instruction_set.plan.STATE_COPIES).
+
+On an emulated cluster with device memory (`emulation.memory_scale`), the launcher also reads
+each rank's memory group after the run (runtime.emulation: `memory.max_usage_in_bytes`, the
+peak of everything the rank allocated after joining its device, allocator slack and
+communication buffers included) and `format_cgroup_peaks` sets it beside the plan's predicted
+peak per device (`DevicePrediction.memory_gib`) and the limit.
 """
 
 from __future__ import annotations
@@ -181,10 +187,23 @@ def format_report(plan: Plan, rows: list[RankMemory], optimizer: str) -> str:
     return "\n".join(lines)
 
 
+def format_cgroup_peaks(plan: Plan, usage: dict[int, dict[str, int]]) -> str:
+    """Measured peak per rank (its memory group) beside the plan's predicted peak and the limit (MiB)."""
+    lines = ["peak memory per rank (MiB; predicted by the plan, measured by the rank's memory cgroup)",
+             f"{'rank':>4} {'device':<14} {'predicted':>10} {'measured':>9} {'err':>7} {'limit':>8}"]
+    for rank, u in sorted(usage.items()):
+        device = plan.predicted.devices[rank]
+        predicted = device.memory_gib * GIB
+        lines.append(f"{rank:>4} {device.name:<14} {_mib(predicted):>10} {_mib(u['peak_bytes']):>9} "
+                     f"{_pct(relative_error(predicted, u['peak_bytes'])):>7} {_mib(u['limit_bytes']):>8}"
+                     + ("  out of memory" if u["oom_kills"] else ""))
+    return "\n".join(lines)
+
+
 def as_json(rows: list[RankMemory]) -> list[dict]:
     return [asdict(r) | {"state": r.state, "state_error": relative_error(r.predicted_state, r.state),
                          "saved_error": relative_error(r.predicted_saved, r.saved_peak)} for r in rows]
 
 
-__all__ = ["RankMemory", "SavedTensorMeter", "as_json", "format_report", "measure_step", "relative_error",
+__all__ = ["RankMemory", "SavedTensorMeter", "as_json", "format_cgroup_peaks", "format_report", "measure_step", "relative_error",
            "storage_bytes"]

@@ -26,7 +26,13 @@ what it updates, and gathering them is the module's business).
   this module's parameters) the next forward, `state_dict()` or `clip_grad_norm_` first
   all-gathers the ZeRO-1/2 rows into the whole parameters (runtime.zero.after_step).
 - `clip_grad_norm_(max_norm)`: global L2 norm over the whole model, every element once
-  (runtime.train.clip_norm), scale min(1, max_norm / (norm + 1e-6)) as torch's.
+  (runtime.rank_state.clip_norm), scale min(1, max_norm / (norm + 1e-6)) as torch's.
+- Precision (runtime.mixed_precision): the forward runs under the autocast of this rank's
+  device kind's compute dtype in the plan's policy; the parameters the optimizer holds stay
+  float32. `scaler` is the run's loss scaler (torch's ShardedGradScaler over every rank,
+  disabled unless some kind computes in float16), used as torch's AMP recipe uses a
+  GradScaler: `scaler.scale(loss).backward()`, `scaler.unscale_(opt)` before clipping,
+  `scaler.step(opt)`, `scaler.update()`.
 - `global_loss(loss)`: the all-reduced sum of the ranks' summands, a float, the same on
   every rank. `state_dict()`: whole tensors under the plain module's state-dict keys (tied
   names included, non-persistent buffers not); `load_state_dict` slices them back.
@@ -35,6 +41,7 @@ what it updates, and gathering them is the module's business).
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
@@ -46,10 +53,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from instruction_set.plan import Plan
 from instruction_set.shards import MeshLayout
-from runtime.codegen import build_rank_program, local_slice
+from runtime.codegen import RankProgram, build_rank_program, local_slice
 from runtime.groups import Groups
 from runtime.input_rows import input_names, input_rows, layout_rows, local_rows
-from runtime.train import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
+from runtime.mixed_precision import autocast, loss_scaler
+from runtime.rank_state import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
 from runtime.zero import ZeroState
 
 
@@ -146,12 +154,19 @@ class ParallelModule(PlannedModule):
         vars(self).update(plan=plan, groups=groups, program=program, sync=sync, zero=zero, keys=dict(keys),
                           device=device, dtype=dtype, unread=unread, pending=None, stale=False,
                           new_cycle=True, synced=True, rows=input_rows(plan, groups.rank),
+                          backward_done_s=0.0, bucket_timings=[],
+                          scaler=loss_scaler(plan, device, groups.group("all"), dtype),
                           input_nodes=[n for n in plan.graph.nodes if n.op == "input"])
         vars(self)["_reads"] = self._layout_positions()
         vars(self)["_leaf_ids"] = {id(p) for _, p in self.named_parameters()}
         ref = weakref.ref(self)
         vars(self)["_hook"] = register_optimizer_step_post_hook(
             lambda opt, *_: (m := ref()) is not None and m._on_optimizer_step(opt))
+
+    def use_program(self, program: RankProgram) -> None:
+        """Run `program`, a copy of this rank's program over the same parameters and buffers
+        (runtime.timing's timed one), from the next forward on."""
+        vars(self)["program"] = program
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -173,7 +188,7 @@ class ParallelModule(PlannedModule):
     def local_pieces(self) -> dict[str, Piece]:
         """fqn -> this rank's piece of every parameter: what the optimizer holds, where it sits
         in the whole tensor, and whether this rank is the one that writes it (checkpoints)."""
-        self._flush()
+        self.flush()
         module, rank = self.program.module, self.groups.rank
         rows = self.zero.state_rows() if self.zero is not None else {}
         out = {}
@@ -233,14 +248,14 @@ class ParallelModule(PlannedModule):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         self._check_inputs(inputs)
-        self._flush()
+        self.flush()
         grad = torch.is_grad_enabled()
         if grad and self.new_cycle:
             self._begin_cycle()
         args = [inputs[i][where].to(self.device) for i, where in self._reads]
         gathers = self.program.gathers
-        with precision(self.dtype), (gathers.releasing() if gathers is not None and grad
-                                     else contextlib.nullcontext()):
+        with precision(self.dtype), autocast(self.plan, self.groups.rank, self.device, self.dtype), \
+                (gathers.releasing() if gathers is not None and grad else contextlib.nullcontext()):
             loss, *updates = self.program.module(*args)
         vars(self)["pending"] = list(updates)
         if not (grad and loss.requires_grad):
@@ -263,10 +278,11 @@ class ParallelModule(PlannedModule):
 
     def _backward_done(self, synced: bool) -> None:
         self._write_buffers()
+        vars(self)["backward_done_s"] = time.perf_counter()  # what the buckets then leave is the sync's wait
         if not synced:
             return
         if self.sync is not None:
-            self.sync.finish()
+            vars(self)["bucket_timings"] = self.sync.finish()
         if self.zero is not None:
             self.zero.before_step()
         vars(self)["new_cycle"] = True
@@ -280,7 +296,7 @@ class ParallelModule(PlannedModule):
                 getattr(module, name).copy_(value)
         vars(self)["pending"] = None
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """The forward's buffer updates of a pass without backward, and the ZeRO gather after
         an optimizer step."""
         self._write_buffers()
@@ -298,16 +314,17 @@ class ParallelModule(PlannedModule):
     def _world_group(self) -> Any:
         return self.groups.group("all")
 
-    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this rank's rows; returns its loss summand (detached), as a
-        pipeline plan's train_step does, so one loop serves both."""
+    def train_step(self, *inputs: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of this rank's rows, the backward of loss_scale * loss (times
+        the loss scaler's scale when `scaler` is enabled); returns its loss summand (detached,
+        not scaled), as a pipeline plan's train_step does, so one loop serves both."""
         loss = self(*inputs)
-        loss.backward()
+        self.scaler.scale(loss * loss_scale if loss_scale != 1.0 else loss).backward()
         return loss.detach()
 
     def whole_state(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """Every parameter and buffer whole, by the plan's names (collective)."""
-        self._flush()
+        self.flush()
         module = self.program.module
         local = {p.fqn: (p.layout, getattr(module, p.name).detach().cpu()) for p in self.program.params}
         group = self.groups.group("all")
@@ -325,7 +342,7 @@ class ParallelModule(PlannedModule):
             fqn: b.detach().cpu().clone() for fqn, b in stored.items()}
 
     def _load_keys(self, by_key: Mapping[str, torch.Tensor]) -> None:
-        self._flush()
+        self.flush()
         self._load_whole({self.keys[k]: v for k, v in by_key.items()})
 
     def _load_whole(self, whole: Mapping[str, torch.Tensor]) -> None:

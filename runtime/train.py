@@ -1,29 +1,25 @@
-"""Training with a plan on one rank: parameters, data, gradient sync, clipping, steps.
+"""`hetsynth run`'s recipe: a training loop over runtime.parallel's module (the one
+`hetsynth.parallelize` gives a user's loop), with the model's own initialisation and data.
 
 - Parameters come from the model's own initialisation under a fixed seed, built whole once
-  and sliced per the plan; the whole copy is dropped after set-up.
-- Data: the global batch of step s is samples [s * B, (s + 1) * B); a rank loads only its rows
-  (the shard lengths of the input's layout), or all of them for replicated inputs.
-- Gradients of parameters replicated along some axis are all-reduced along it in the plan's
-  buckets, each launched asynchronously from the backward pass as soon as its gradients are
-  ready, on process groups of its own, while the backward goes on (runtime.grad_sync); the
-  step waits for them after the backward (its `gradient_sync` phase is that wait). SFB weights
-  and sharded parameters need none.
-- Clipping by the global norm: each element of the full model counts once (a replicated
-  parameter only on the first rank of its replica group). When every parameter is replicated
-  on every rank (data parallelism), each rank holds the whole synchronised gradient and
-  computes the norm alone, with no all-reduce.
+  and sliced per the plan by the module; the whole copy is dropped after set-up.
+- Data: the global batch of step s is samples [s * B, (s + 1) * B); a rank makes only its rows
+  of each input (runtime.input_rows), or all of them for replicated inputs.
+- The step is a user's loop: forward, backward (the module syncs the plan's gradient buckets,
+  overlapped with the backward, and gives ZeRO leaves their rows), clipping by the global
+  norm (runtime.rank_state.clip_norm), the optimizer's step; under the plan's precision
+  policy, torch's AMP recipe with the module's loss scaler (runtime.mixed_precision: an
+  overflow on any rank skips the step on every rank). Its phases are timed: data,
+  forward, backward (until the backward pass is done), gradient_sync (the wait for the buckets
+  left), update (clipping, the step, and the ZeRO gather it makes due), loss.
 - The loss each rank computes is a Partial summand; the global loss is their all-reduced sum,
   issued asynchronously after the forward pass and waited at the end of the step.
-- Buffers the forward updates (BatchNorm statistics, counters) are written after the backward
-  pass with the new values the program returns (replicated: the same on every rank).
 - A global loss or gradient norm that is not finite stops training at that step
   (NonFiniteError): every rank sees the same all-reduced values, so every rank stops there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,14 +31,15 @@ import torch.distributed as dist
 from instruction_set.layouts import Layout
 from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from instruction_set.plan import Plan
-from instruction_set.precision import float_everywhere, with_float_dtype
-from instruction_set.shards import MeshLayout
-from instruction_set.training_state import TrainingState
-from runtime.codegen import RankProgram, build_rank_program
+from instruction_set.precision import with_float_dtype
+from runtime.codegen import RankProgram
 from runtime.config import TrainConfig
 from runtime.grad_sync import BucketTiming, GradientSync
-from runtime.input_rows import layout_rows
 from runtime.groups import Groups
+from runtime.input_rows import layout_rows
+from runtime.mixed_precision import reference_dtype
+from runtime.parallel import ParallelModule
+from runtime.rank_state import clip_norm, precision, stored_buffers
 from runtime.zero import ZeroState
 
 
@@ -59,15 +56,31 @@ class Trainer:
     plan: Plan
     spec: ModelSpec
     groups: Groups
-    program: RankProgram
+    module: ParallelModule
     optimizer: torch.optim.Optimizer
     config: TrainConfig
     device: torch.device
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's, whole
     log: list[StepLog] = field(default_factory=list)
-    sync: GradientSync | None = None
     on_gradients: Callable[[], None] | None = None  # called once the gradients are synchronised
-    zero: ZeroState | None = None  # the ZeRO-1 parameters' rows (runtime.zero)
+
+    @property
+    def program(self) -> RankProgram:
+        """The module's program (runtime.timing swaps in a timed copy for traced steps)."""
+        return self.module.program
+
+    @program.setter
+    def program(self, program: RankProgram) -> None:
+        self.module.use_program(program)
+
+    @property
+    def sync(self) -> GradientSync | None:
+        return self.module.sync
+
+    @property
+    def zero(self) -> ZeroState | None:
+        """The ZeRO parameters' rows (runtime.zero)."""
+        return self.module.zero
 
 
 class NonFiniteError(RuntimeError):
@@ -136,22 +149,11 @@ def setup(plan: Plan, groups: Groups, config: TrainConfig, device: torch.device 
         plan, spec = with_float_dtype(plan, config.dtype), with_dtype(spec, config.dtype)
     state, param_names = initial_state(spec, config.seed)
     check_state(plan, state)
-    program = build_rank_program(plan, groups, state=state, device=device)
+    module = ParallelModule(plan, groups, state, {k: k for k in state}, torch.device(device), config.dtype)
     buffers = {k: v for k, v in state.items() if k not in param_names}
     del state  # no rank keeps whole copies of the parameters
-    sync = gradient_sync(plan, program, groups)
-    zero = ZeroState.build(program.module, plan, groups, sync)
-    params = list(program.module.parameters())
-    optimizer = make_optimizer(zero.optimizer_params(params) if zero is not None else params, config)
-    return Trainer(plan, spec, groups, program, optimizer, config, torch.device(device), buffers, sync=sync,
-                   zero=zero)
-
-
-def gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:
-    """The plan's gradient buckets over a rank's program (None when no parameter needs a sync)."""
-    buckets = plan.buckets()
-    rows = plan.state_shards.rows if plan.state_shards is not None else None
-    return GradientSync.build(program.module, buckets, groups, rows) if buckets else None
+    optimizer = make_optimizer(list(module.parameters()), config)
+    return Trainer(plan, spec, groups, module, optimizer, config, torch.device(device), buffers)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -162,65 +164,29 @@ def rank_rows(plan: Plan, tensor: str, layout: Layout, rank: int, batch: int) ->
 
 
 def local_batch(trainer: Trainer, step: int) -> list[torch.Tensor]:
-    plan, rank = trainer.plan, trainer.groups.rank
-    batch = plan.model.batch_size
-    names = [n.name for n in plan.graph.nodes if n.op == "input"]
-    base = step * batch
+    """This rank's rows of every input of global batch `step` (the module's forward's)."""
+    return batch_rows(trainer.spec, trainer.module.rows, step * trainer.plan.model.batch_size,
+                      trainer.config.data_seed, trainer.device)
+
+
+def batch_rows(spec: ModelSpec, rows: Sequence[Sequence[int]], base: int, seed: int,
+               device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Input i's rows rows[i] of the model's generated batch starting at sample `base`."""
+    made: dict[tuple[int, ...], list[torch.Tensor]] = {}  # inputs read in the same rows: one make_batch
     out = []
-    for name, layout in trainer.program.inputs:
-        rows = rank_rows(plan, name, layout, rank, batch)
-        values = trainer.spec.make_batch([base + r for r in rows], seed=trainer.config.data_seed)
-        out.append(values[names.index(name)].to(trainer.device))
+    for i, wanted in enumerate(rows):
+        key = tuple(wanted)
+        if key not in made:
+            made[key] = spec.make_batch([base + r for r in wanted], seed=seed)
+        out.append(made[key][i].to(device))
     return out
-
-
-# -- gradients ------------------------------------------------------------------------------------
-
-def update_buffers(trainer: Trainer, values: Sequence[torch.Tensor]) -> None:
-    """Write the forward's new buffer values (RankProgram.updates order) into the buffers."""
-    module = trainer.program.module
-    with torch.no_grad():
-        for name, value in zip(trainer.program.updates, values, strict=True):
-            getattr(module, name).copy_(value)
-
-
-def counts_once(groups: Groups, layout: Layout) -> bool:
-    """Whether this rank's copy of a parameter counts in global sums (first replica)."""
-    return MeshLayout(groups.mesh, layout).counts_once(groups.rank)
-
-
-def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
-    """clip_norm on a trainer's program."""
-    return clip_norm(trainer.program, trainer.groups, trainer.zero, max_norm)
-
-
-def clip_norm(program: RankProgram, groups: Groups, zero: ZeroState | None, max_norm: float) -> float:
-    """Scale every gradient by max_norm / (||g|| + 1e-6) when that is below 1; returns ||g||.
-    A ZeRO-2 gradient is held as rows (runtime.zero): each rank counts its own rows."""
-    module = program.module
-    zero3 = zero.zero3() if zero is not None else set()
-    params = [(p, getattr(module, p.name).grad) for p in program.params if p.name not in zero3]
-    rows = zero.row_grads() if zero is not None else []
-    replicated = not rows and not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
-    counted = [g for p, g in params if g is not None and (replicated or counts_once(groups, p.layout))]
-    counted += rows
-    norms = torch._foreach_norm(counted, 2.0, dtype=torch.float64) if counted else []
-    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
-    if not replicated:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.group("all"))
-    norm = float(total.sqrt())
-    scale = max_norm / (norm + 1e-6)
-    grads = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in zero3] + rows
-    if scale < 1.0 and grads:
-        torch._foreach_mul_(grads, scale)
-    return norm
 
 
 # -- steps ----------------------------------------------------------------------------------------
 
-def precision(dtype: str | None) -> contextlib.AbstractContextManager:
-    """Twins in another dtype compute everything in it (instruction_set.precision)."""
-    return float_everywhere(dtype) if dtype is not None else contextlib.nullcontext()
+def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
+    """clip_norm on a trainer's program."""
+    return clip_norm(trainer.program, trainer.groups, trainer.zero, max_norm)
 
 
 def train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None = None) -> StepLog:
@@ -231,47 +197,43 @@ def train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None = 
 
 
 def _train_step(trainer: Trainer, step: int, inputs: list[torch.Tensor] | None) -> StepLog:
+    module = trainer.module
     marks = [("start", time.perf_counter())]
     inputs = local_batch(trainer, step) if inputs is None else inputs
     marks.append(("data", time.perf_counter()))
-    if trainer.sync is not None:
-        trainer.sync.begin_step()
-    gathers = trainer.program.gathers  # ZeRO-3: gathered parameters released after their use (runtime.zero3)
-    with gathers.releasing() if gathers is not None else contextlib.nullcontext():
-        loss, *new_buffers = trainer.program.module(*inputs)
+    loss = module(*inputs)
     total = loss.detach().clone()
     loss_work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=trainer.groups.group("all"), async_op=True)
     marks.append(("forward", time.perf_counter()))
-    loss.backward()
-    update_buffers(trainer, new_buffers)
-    marks.append(("backward", time.perf_counter()))
-    buckets = trainer.sync.finish() if trainer.sync is not None else []
+    scaler = module.scaler
+    scaler.scale(loss).backward()
+    marks.append(("backward", module.backward_done_s))
     marks.append(("gradient_sync", time.perf_counter()))
-    if trainer.zero is not None:  # the leaves' gradients: views of the whole ones, or (ZeRO-2) the rows
-        trainer.zero.before_step()
     if trainer.on_gradients is not None:
         trainer.on_gradients()
     if trainer.config.max_grad_norm is not None:
+        scaler.unscale_(trainer.optimizer)
         norm = clip_global_norm(trainer, trainer.config.max_grad_norm)
-        if not math.isfinite(norm):  # before the update; the loss names the cause when it is the culprit
-            loss_work.wait()
+        if not math.isfinite(norm) and not scaler.is_enabled():  # a scaler skips the step instead
+            loss_work.wait()  # before the update; the loss names the cause when it is the culprit
             check_finite(step, loss=float(total), gradient_norm=norm)
-    trainer.optimizer.step()
-    if trainer.zero is not None:
-        trainer.zero.after_step()
+    scaler.step(trainer.optimizer)
+    scaler.update()
+    module.flush()  # the ZeRO gather the step made due, timed as part of the update
     _zero_unbucketed(trainer)
     marks.append(("update", time.perf_counter()))
     loss_work.wait()
     check_finite(step, loss=float(total))
     marks.append(("loss", time.perf_counter()))
     phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
-    entry = StepLog(float(total), marks[-1][1] - marks[0][1], phases, buckets)
+    entry = StepLog(float(total), marks[-1][1] - marks[0][1], phases, module.bucket_timings)
     trainer.log.append(entry)
     return entry
 
 
 def _zero_unbucketed(trainer: Trainer) -> None:
-    """Drop the gradients the buckets do not hold (theirs are zeroed by begin_step)."""
+    """Drop the gradients the buckets do not hold (theirs are zeroed when the next gradient
+    cycle begins)."""
     bucketed = trainer.sync.params if trainer.sync is not None else set()
     for p in trainer.program.module.parameters():
         if id(p) not in bucketed:
@@ -291,34 +253,33 @@ def model_buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
     return dict(trainer.buffers) | {fqn: b.detach().cpu() for fqn, b in stored.items()}
 
 
-def stored_buffers(plan: Plan, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """fqn -> the program's own tensor of every buffer the graph reads (stored R: whole on
-    every rank, updated by training)."""
-    return {node.fqn: getattr(module, node.name) for node in plan.graph.nodes
-            if node.op == "buffer" and node.value is None and hasattr(module, node.name)}
-
-
 def reference_training(spec: ModelSpec, batch_size: int, config: TrainConfig,
-                       start: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                       start: dict[str, Any] | None = None,
+                       autocast_dtype: torch.dtype | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same training on one device with the plain model: losses and final parameters
     and buffers (by name). From `start`, a checkpoint (runtime.checkpoint's format), it
-    trains the steps after the checkpoint's, from its parameters, buffers and optimizer state."""
+    trains the steps after the checkpoint's, from its parameters, buffers and optimizer state.
+    `autocast_dtype`: forward passes under torch.autocast of that type (a precision policy's
+    stand-in, runtime.mixed_precision.reference_dtype)."""
     torch.manual_seed(config.seed)
     model = spec.build("cpu")
     optimizer = make_optimizer(list(model.parameters()), config)
     first = _start_from(model, optimizer, start) if start is not None else 0
     with precision(spec.dtype_override):
-        losses = _reference_steps(spec, model, optimizer, batch_size, config, first)
+        losses = _reference_steps(spec, model, optimizer, batch_size, config, first, autocast_dtype)
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     return losses, {k: v.detach() for k, v in state.items()}
 
 
 def plan_reference(plan: Plan, config: TrainConfig,
                    start: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """reference_training of a plan's model (in config.dtype, converted, when it is set)."""
+    """reference_training of a plan's model: in config.dtype, converted, when it is set (a
+    twin, without the precision policy); otherwise under the autocast that stands for the
+    plan's policy (none for float32)."""
     spec = parse_model_ref(plan.model.ref)
-    spec = with_dtype(spec, config.dtype) if config.dtype is not None else spec
-    return reference_training(spec, plan.model.batch_size, config, start)
+    if config.dtype is not None:
+        return reference_training(with_dtype(spec, config.dtype), plan.model.batch_size, config, start)
+    return reference_training(spec, plan.model.batch_size, config, start, reference_dtype(plan))
 
 
 def _start_from(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict[str, Any]) -> int:
@@ -334,11 +295,13 @@ def _start_from(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: 
 
 
 def _reference_steps(spec: ModelSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     batch_size: int, config: TrainConfig, first: int = 0) -> list[float]:
+                     batch_size: int, config: TrainConfig, first: int = 0,
+                     autocast_dtype: torch.dtype | None = None) -> list[float]:
     losses = []
     for step in range(first, config.steps):
         inputs = spec.make_batch(range(step * batch_size, (step + 1) * batch_size), seed=config.data_seed)
-        loss = model(*inputs)
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = model(*inputs)
         loss.backward()
         if config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -348,30 +311,6 @@ def _reference_steps(spec: ModelSpec, model: torch.nn.Module, optimizer: torch.o
     return losses
 
 
-def assemble(plan: Plan, per_rank: Sequence[dict[str, tuple[Layout, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Whole parameters from every rank's slices (replicated copies must agree)."""
-    mesh = plan.mesh
-    by_fqn = {n.fqn: n for n in plan.graph.params}
-    zero3 = {i.tensor for i in plan.instructions if i.kind == "param" and i.state == TrainingState.ZERO3}
-    out = {}
-    for fqn, (layout, _) in per_rank[0].items():
-        node = by_fqn[fqn]
-        if node.name in zero3:  # every rank's rows, in rank order
-            out[fqn] = torch.cat([params[fqn][1] for params in per_rank])
-            continue
-        full = torch.full(node.out.shape, float("nan"), dtype=per_rank[0][fqn][1].dtype)
-        for rank, params in enumerate(per_rank):
-            index = [slice(None)] * full.dim()
-            if layout.is_shard:
-                for dim, lengths in plan.lengths(node.name, layout).items():
-                    start = MeshLayout(mesh, layout).offset(lengths, dim, rank)
-                    index[dim] = slice(start, start + lengths[rank])
-            full[tuple(index)] = params[fqn][1]
-        out[fqn] = full
-    return out
-
-
-__all__ = ["Any", "ModelMismatchError", "NonFiniteError", "check_state", "TrainConfig", "Trainer", "assemble",
-           "check_finite", "clip_global_norm", "clip_norm", "full_state", "initial_state", "local_batch",
-           "local_parameters", "model_buffers", "reference_training", "gradient_sync", "setup", "stored_buffers", "train_step",
-           "update_buffers"]
+__all__ = ["ModelMismatchError", "NonFiniteError", "StepLog", "TrainConfig", "Trainer", "check_finite", "check_state",
+           "clip_global_norm", "full_state", "initial_state", "local_batch", "local_parameters", "make_optimizer",
+           "batch_rows", "model_buffers", "plan_reference", "rank_rows", "reference_training", "setup", "train_step"]

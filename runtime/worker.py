@@ -10,7 +10,9 @@ With `--trace-raw DIR`, the last `--trace-steps` steps (never the first one run)
 
 For tests of the failure paths, `HETSYNTH_FAULT=<rank>:<step>:<kind>` makes that rank, at
 the start of that step, SIGKILL itself (`kill`), SIGSTOP itself (`stop`: a stuck rank) or
-raise an error (`raise`).
+raise an error (`raise`); `overflow` (SPMD plans) instead sets one of its gradients to inf
+once they are synchronised in that step, as a float16 overflow would (runtime.mixed_precision:
+the loss scaler then skips the step on every rank).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from runtime.pipeline.run import run_pipeline
 from runtime.plan_handoff import load_rank_plan
 from runtime.rank import run_rank
 from runtime.timing import StepTracer
-from runtime.train import StepLog, Trainer, assemble, local_parameters, model_buffers, setup, train_step
+from runtime.rank_state import assemble
+from runtime.train import StepLog, Trainer, local_parameters, model_buffers, setup, train_step
 
 log = logging.getLogger("runtime.worker")  # not __name__: this module runs as __main__ under torchrun
 
@@ -65,17 +68,27 @@ class InjectedFault(RuntimeError):
     """The failure HETSYNTH_FAULT asked for."""
 
 
-def _inject(rank: int, step: int) -> None:
+def _inject(rank: int, step: int, trainer: Trainer | None = None) -> None:
     """The fault HETSYNTH_FAULT asks of this rank at this step, if any (module docstring)."""
     spec = os.environ.get("HETSYNTH_FAULT")
     if not spec:
         return
     at_rank, at_step, kind = spec.split(":")
     if (int(at_rank), int(at_step)) != (rank, step):
+        if kind == "overflow" and trainer is not None:
+            trainer.on_gradients = None
+        return
+    if kind == "overflow" and trainer is not None:
+        trainer.on_gradients = lambda: _overflow(trainer)
         return
     if kind == "raise":
         raise InjectedFault(f"injected fault at step {step}")
     os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[kind])
+
+
+def _overflow(trainer: Trainer) -> None:
+    grad = next(p.grad for p in trainer.optimizer.param_groups[0]["params"] if p.grad is not None)
+    grad.view(-1)[0] = float("inf")
 
 
 def _step(trainer: Trainer, args: argparse.Namespace, step: int, start: int, tracer: StepTracer | None,
@@ -94,11 +107,15 @@ def _train(trainer: Trainer, args: argparse.Namespace, start: int, tracer: StepT
     rank = trainer.groups.rank
     steps = []
     for step in range(start, args.steps):
-        _inject(rank, step)
+        _inject(rank, step, trainer)
         entry = _step(trainer, args, step, start, tracer, memory)
         steps.append({"step": step, "loss": entry.loss, "seconds": entry.seconds})
+        scaler = trainer.module.scaler
+        scale = f"  loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""
+        if scaler.is_enabled():
+            steps[-1]["loss_scale"] = float(scaler.get_scale())
         if rank == 0 and not args.quiet:
-            log.info("step %4d/%d  loss %.6f  %8.1f ms", step + 1, args.steps, entry.loss, entry.seconds * 1e3)
+            log.info("step %4d/%d  loss %.6f  %8.1f ms%s", step + 1, args.steps, entry.loss, entry.seconds * 1e3, scale)
     return steps
 
 
@@ -130,6 +147,7 @@ def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start
         times = [e["seconds"] for e in steps[1:]] or [e["seconds"] for e in steps]
         write_atomic(args.report, json.dumps({"first_step": start, "losses": [e["loss"] for e in steps],
                                               "step_seconds": [e["seconds"] for e in steps],
+                                              "loss_scales": [e.get("loss_scale") for e in steps],
                                               "median_step_s": statistics.median(times) if times else None,
                                               "world_size": dist.get_world_size()}
                                              | ({"memory": memory} if memory else {})))

@@ -30,3 +30,10 @@ def pools() -> Iterator[Pools]:
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(autouse=True)
+def _own_plan_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test plans into an empty plan cache of its own (hetsynth.plan_cache): a plan cached by
+    another test, or by a user of this machine, never answers for a test's own planning."""
+    monkeypatch.setenv("HETSYNTH_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache") / "plans"))

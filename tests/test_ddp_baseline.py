@@ -62,11 +62,14 @@ def test_compare_ddp_entries_parse_and_take_a_plans_rows() -> None:
     from hetsynth import capture_model
     from planner import baselines
     from planner.planner import make_plan
-    from runtime.compare import parse_ddp, plan_rows
+    from runtime.compare import parse_ddp, parse_user, plan_rows
 
     assert parse_ddp("ddp_cp=weighted:/tmp/p.json") == ("ddp_cp", "weighted", "/tmp/p.json")
     with pytest.raises(ValueError, match="MODE one of mean, weighted"):
         parse_ddp("ddp=sum:/tmp/p.json")
+    assert parse_user("loop=/tmp/p.json") == ("loop", "/tmp/p.json")
+    with pytest.raises(ValueError, match="expected NAME=PLAN"):
+        parse_user("/tmp/p.json")
     cluster = load_cluster(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml")
     plan = make_plan(capture_model("gpt:tiny,batch_size=10"), cluster, ratios=[0.4, 0.3, 0.2, 0.1],
                      restrictions=baselines.DP, progress=False, with_baselines=False)

@@ -181,9 +181,10 @@ def test_missing_quota_is_an_error_and_cleans_up() -> None:
 
 @needs_root
 def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> None:
-    """hetsynth's plan, DP-EV and torch DDP of GPT tiny train interleaved on the emulated
-    cluster (runtime.compare, as `make demo` does); all match single-device losses and no
-    namespace or cgroup survives the run."""
+    """hetsynth's plan, DP-EV, hetsynth's plan in a user's loop (hetsynth.parallelize's module)
+    and torch DDP of GPT tiny train interleaved on the emulated cluster (runtime.compare, as
+    `make demo` does); all match single-device losses and no namespace or cgroup survives
+    the run."""
 
     from hetsynth import capture_model
     from instruction_set.models import parse_model_ref
@@ -204,6 +205,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     report = tmp_path / "report.json"
     rc, failure = launch(SPEC, ["-m", "runtime.compare", "--plans", *(str(tmp_path / f"{n}.json") for n in plans),
                                 "--names", *plans, "--ddp", f"ddp=weighted:{tmp_path / 'ev.json'}",
+                                "--user", f"user={tmp_path / 'het.json'}",
                                 "--warmup", "1", "--rounds", "1", "--steps", "2",
                                 "--report", str(report)])
     assert rc == 0, failure
@@ -211,7 +213,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     measured = json.loads(report.read_text())
     spec = parse_model_ref(ref)
     expected, _ = reference_training(spec, spec.batch_size, TrainConfig(steps=3))
-    for name in (*plans, "ddp"):
+    for name in (*plans, "user", "ddp"):
         assert len(measured[name]["losses"]) == 3
         for got, want in zip(measured[name]["losses"], expected):
             assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)

@@ -60,7 +60,8 @@ def test_batchnorm_running_statistics_match_single_device(pools) -> None:
     statistics Partial, all-reduced, SyncBatchNorm-style: at this size the planner itself
     prefers other layouts), float64."""
     from runtime.check import pool_worker
-    from runtime.train import assemble, plan_reference
+    from runtime.rank_state import assemble
+    from runtime.train import plan_reference
 
     ref = "resnet:tiny,dtype=float64"
     graph = hetsynth.capture_model(ref)

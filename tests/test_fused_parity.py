@@ -142,7 +142,7 @@ def fused_plan(model: str, ratios: list[float], variants: dict | None = None) ->
 
 def trained(pools, plan: Plan) -> tuple[list[float], dict]:
     """(global losses, reassembled parameters) after CONFIG's steps of `plan` on a pool."""
-    from runtime.train import assemble
+    from runtime.rank_state import assemble
 
     results = pools.get(plan.cluster.num_devices).run(train_worker, plan, CONFIG, timeout_s=600)
     return results[0][0], assemble(plan, [r[1] for r in results])

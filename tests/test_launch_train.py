@@ -3,7 +3,9 @@ hetsynth.data.loader, torch.optim.AdamW with two param groups, LambdaLR, two acc
 micro-steps, clip_grad_norm_, global_loss, state_dict), launched with `hetsynth launch` on the
 local emulated cluster (4 ranks, uneven ratios; plain local processes without root), trains
 an HF GPT-2 with tied embeddings in float64 to the losses (1e-9) and parameters (1e-8) of the
-same loop on one device with a plain DataLoader. A script that raises on one rank is named."""
+same loop on one device with a plain DataLoader, under the planner's plan (made from the module
+with hetsynth.plan), a tensor-parallel plan and a ZeRO-2 plan. A script that raises on one rank
+is named."""
 
 from __future__ import annotations
 
@@ -117,6 +119,27 @@ def launch(tmp_path: Path, plan_path: Path, env: dict[str, str] | None = None) -
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path), **(env or {})})
 
 
+RATIOS = [0.4, 0.3, 0.2, 0.1]
+
+
+def other_plans(module, inputs, tmp: Path) -> None:
+    """A tensor-parallel plan (Megatron's restrictions) and a ZeRO-2 plan of the same module."""
+    from instruction_set.cluster import load_cluster
+    from planner.baselines import megatron_restrictions
+    from planner.capture import capture
+    from planner.planner import DP_SEED, make_plan
+
+    cluster = load_cluster(CLUSTER)
+    graph = capture(module, inputs, model_ref="TinyLM")
+    tp = make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=megatron_restrictions(cluster),
+                   with_baselines=False)
+    assert any(i.kind == "param" and i.layout.is_shard for i in tp.instructions), "no sharded parameter"
+    zero2 = hetsynth._forced_zero(make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=DP_SEED,
+                                            with_baselines=False), 2)
+    hetsynth.save_plan(tp, tmp / "tp.json")
+    hetsynth.save_plan(zero2, tmp / "zero2.json")
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("launch_train")
@@ -126,7 +149,8 @@ def planned(tmp_path_factory) -> tuple[Path, Path]:
     try:
         import lm
         ids, labels = lm.dataset()[0:8]
-        plan = hetsynth.plan(lm.model(), [ids, labels], str(CLUSTER), ratios=[0.4, 0.3, 0.2, 0.1])
+        plan = hetsynth.plan(lm.model(), [ids, labels], str(CLUSTER), ratios=RATIOS)
+        other_plans(lm.model(), [ids, labels], tmp)
     finally:
         sys.path.remove(str(tmp))
         sys.modules.pop("lm", None)
@@ -134,9 +158,10 @@ def planned(tmp_path_factory) -> tuple[Path, Path]:
     return tmp, tmp / "plan.json"
 
 
-def test_user_script_under_launch_matches_one_device(planned) -> None:
-    tmp, plan_path = planned
-    done = launch(tmp, plan_path)
+@pytest.mark.parametrize("which", ["plan", "tp", "zero2"])
+def test_user_script_under_launch_matches_one_device(planned, which: str) -> None:
+    tmp, _ = planned
+    done = launch(tmp, tmp / f"{which}.json")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = torch.load(tmp / "out.pt")
     want_losses, want = single_device(tmp, 8)

@@ -1,6 +1,6 @@
 """Typed layouts (instruction_set.layouts): one parser of the text form, interned values that
 survive pickle and copies, string order, layouts bound to a (sub-)mesh, and the plan's JSON
-(version 6, version-1 to -5 files still read)."""
+(version 7, version-1 to -6 files still read)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_plan_json_round_trip_keeps_layouts_as_text(plan: Plan, tmp_path: Path) 
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     raw = json.loads(path.read_text())
-    assert raw["version"] == PLAN_VERSION == 6
+    assert raw["version"] == PLAN_VERSION == 7
     assert raw["mesh"] == {"num_nodes": 2, "per_node": 2, "two_level": True, "first_rank": 0}
     texts = {i["layout"] for i in raw["instructions"]} | {l for t in raw["shards"].values() for l in t}
     assert all(isinstance(t, str) and TEXT.fullmatch(t) for t in texts) and any("|" in t for t in texts)
@@ -153,7 +153,7 @@ def test_a_version_1_plan_is_read_with_a_warning(plan: Plan, caplog: pytest.LogC
 
 
 def test_another_version_is_refused_saying_what_changed(plan: Plan) -> None:
-    raw = {**json.loads(plan.model_dump_json()), "version": 7}
-    with pytest.raises(PlanError, match=r"new.json is plan format version 7; this hetsynth reads versions 1 to 6 "
-                                        r"\(version 6: training states zero2.*Re-run `hetsynth plan`"):
+    raw = {**json.loads(plan.model_dump_json()), "version": 8}
+    with pytest.raises(PlanError, match=r"new.json is plan format version 8; this hetsynth reads versions 1 to 7 "
+                                        r"\(version 7: the precision policy.*Re-run `hetsynth plan`"):
         plan_from_json(raw, "new.json")

@@ -111,3 +111,41 @@ def test_user_loop_matches_one_device(pools, schedule: Schedule) -> None:
     assert results[0]["buffers"] == set(want) - {k for k, _ in model.named_parameters(remove_duplicate=False)}
     numel = sum(p.numel() for p in model.parameters())  # tied parameters once
     assert sum(r["owned"] for r in results) == numel
+
+
+def scale_worker(rank: int, world: int, plan: Plan) -> list[float]:
+    """The global gradient norm after train_step with loss_scale 1, 0.5 and 3 on one batch."""
+    from hetsynth.parallelize import parallelize
+    from runtime.input_rows import input_rows
+
+    spec = parse_model_ref(plan.model.ref)
+    torch.manual_seed(0)
+    pm = parallelize(spec.build("cpu"), plan, check_graph=False)
+    mine = [x[r] for x, r in zip(_batch(spec, plan, 0), input_rows(plan, rank))]
+    norms = []
+    for scale in (1.0, 0.5, 3.0):
+        pm.train_step(*mine, loss_scale=scale)
+        norms.append(float(pm.clip_grad_norm_(1e9)))
+        for p in pm.parameters():
+            p.grad = None
+    return norms
+
+
+@pytest.mark.parametrize("shape", ["pipeline", "spmd"])
+def test_train_step_scales_the_backward(pools, shape: str) -> None:
+    """train_step(..., loss_scale=c) gives c times the gradients, for both plan shapes."""
+    from test_parallelize import RATIOS
+    from instruction_set.cluster import load_cluster
+    from planner.planner import make_plan
+    from test_parity import CLUSTER
+    import hetsynth
+
+    if shape == "pipeline":
+        (plan,) = pipeline_plans(REF, 2, 3, (Schedule.ONE_F_ONE_B,))
+    else:
+        plan = make_plan(hetsynth.capture_model(REF), load_cluster(CLUSTER), ratios=RATIOS, progress=False,
+                         with_baselines=False)
+    for norms in pools.get(4).run(scale_worker, plan, timeout_s=300):
+        assert norms[0] > 0
+        assert abs(norms[1] - 0.5 * norms[0]) <= 1e-12 * norms[0], norms
+        assert abs(norms[2] - 3.0 * norms[0]) <= 1e-12 * norms[0], norms

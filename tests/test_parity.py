@@ -25,7 +25,8 @@ from planner.planner import DP_SEED, make_plan
 from instruction_set.layouts import S
 from planner.problem import Restrictions, StorageClass
 from runtime.config import TrainConfig
-from runtime.train import assemble, reference_training
+from runtime.rank_state import assemble
+from runtime.train import reference_training
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 CONFIG = TrainConfig(steps=5, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)

@@ -25,7 +25,8 @@ from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, SYNC_WAIT, TRA
 from instruction_set.plan import Plan, save_plan
 from planner.planner import make_plan
 from runtime.config import TrainConfig
-from runtime.train import assemble, reference_training
+from runtime.rank_state import assemble
+from runtime.train import reference_training
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

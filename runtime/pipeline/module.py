@@ -40,8 +40,8 @@ from runtime.codegen import local_slice
 from runtime.parallel import Piece, PlannedModule
 from runtime.pipeline.checkpoint import whole_buffers as merge_buffers
 from runtime.pipeline.trainer import (assemble, build, clip_grad_norm, first_holder, local_buffers,
-                                      local_parameters, run_actions, sync_gradients, twin)
-from runtime.train import precision
+                                      local_parameters, run_actions, scale_of, sync_gradients, twin)
+from runtime.rank_state import precision
 
 TRAIN_STEP = "a pipeline plan runs forward and backward together: use loss = pm.train_step(*inputs)"
 
@@ -61,7 +61,7 @@ class PipelineModule(PlannedModule):
         param_fqns = {n.fqn for n in plan.graph.params}
         params = param_fqns | {k for k, fqn in keys.items() if fqn in param_fqns}
         t = build(plan, rank, dict(state), params, world=world, device=device, dtype=dtype)
-        vars(self).update(t=t, plan=plan, keys=dict(keys), param_fqns=param_fqns, synced=True)
+        vars(self).update(t=t, plan=plan, keys=dict(keys), param_fqns=param_fqns, synced=True, scaler=t.scaler)
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -106,12 +106,16 @@ class PipelineModule(PlannedModule):
                                  f"of the plan's {tuple(node.out.shape)} are {want} ({len(rows)} of "
                                  f"{node.out.shape[0]} rows; hetsynth.data.loader gives them)")
 
-    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def train_step(self, *inputs: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch, then the gradient sync unless inside
-        no_sync(); returns this rank's loss summand (float64, detached)."""
+        no_sync(); returns this rank's loss summand (float64, detached). The backward is of
+        loss_scale * loss (a mean over accumulation micro-steps), times the loss scaler's scale
+        when `scaler` is enabled (then `scaler.unscale_`, `step` and `update` as torch's AMP
+        recipe); the returned summand is not scaled."""
         self._check_inputs(inputs)
+        loss_scale *= scale_of(self.t)
         with precision(self.t.dtype):
-            loss = run_actions(self.t, list(inputs))
+            loss = run_actions(self.t, list(inputs), loss_scale=loss_scale)
             self.t.outbox.flush()
             if self.synced:
                 sync_gradients(self.t)

@@ -25,12 +25,14 @@ optimizer, for `hetsynth run`). A step is exactly a single-device step:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from instruction_set.interpret import call_node, constant
 from instruction_set.layouts import Layout
@@ -44,8 +46,10 @@ from runtime.codegen import RankProgram, build_rank_program, local_slice
 from runtime.config import TrainConfig
 from runtime.groups import Groups, group_timeout
 from runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
+from runtime.mixed_precision import autocast, loss_scaler
 from runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
-from runtime.train import check_finite, check_state, initial_state, make_optimizer, precision
+from runtime.rank_state import precision
+from runtime.train import check_finite, check_state, initial_state, make_optimizer
 
 MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
 
@@ -69,6 +73,7 @@ class PipelineTrainer:
     optimizer: torch.optim.Optimizer | None = None
     config: TrainConfig | None = None
     outbox: Outbox = field(default_factory=Outbox)
+    scaler: ShardedGradScaler | None = None  # the run's loss scaler (runtime.mixed_precision; build's)
     losses: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # of the last step (train_step)
     events: list[tuple[str, int, float, float]] = field(default_factory=list)  # of the last step (train_step)
@@ -120,7 +125,7 @@ def build(plan: Plan, rank: int, state: dict[str, torch.Tensor], params: set[str
             _share_parameters(programs[b], programs[max(programs)])
     buffers = {k: v.detach().clone() for k, v in state.items() if k not in params}
     return PipelineTrainer(plan, stage, groups, world, programs, shared, buffers, input_rows(plan, rank),
-                           torch.device(device), dtype)
+                           torch.device(device), dtype, scaler=loss_scaler(plan, torch.device(device), world, dtype))
 
 
 def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
@@ -237,10 +242,13 @@ ACTION_PHASES = {ActionOp.F: "forward", ActionOp.B: "backward", ActionOp.RECV_F:
 
 
 def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
-                events: list[tuple[str, int, float, float]] | None = None, *, backward: bool = True) -> torch.Tensor:
+                events: list[tuple[str, int, float, float]] | None = None, *, backward: bool = True,
+                loss_scale: float = 1.0) -> torch.Tensor:
     """This rank's stage actions for one step on its rows of each input (`inputs`, input_rows');
     returns its summed loss summand (float64). `backward=False`: the forward actions only (an
-    evaluation pass under torch.no_grad). `events` gets
+    evaluation pass under torch.no_grad). The last stage seeds each micro-batch's backward
+    with d(loss_scale * loss)/d(loss) = loss_scale, so every stage's gradients are scaled by
+    it. `events` gets
     every action as (op, micro-batch, start, end), perf_counter seconds (CLOCK_MONOTONIC: one
     clock for every rank of a machine), to set against the predicted timeline, the setup
     (statistics, receives posted) first as ("setup", -1, start, end)."""
@@ -265,7 +273,8 @@ def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
             received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(posted.pop((a.boundary, m)), True)
         elif a.op is ActionOp.F:
             program = t.programs[pipeline.micro_batches[m]]
-            result = program.module(*micro_inputs(t, inputs, m, received.pop(m, {}), stats))
+            with autocast(t.plan, t.groups.rank, t.device, t.dtype):
+                result = program.module(*micro_inputs(t, inputs, m, received.pop(m, {}), stats))
             n_up = len(program.updates)
             _update_buffers(program, result[1:1 + n_up])
             outs[m] = dict(zip(program.outputs, result[1 + n_up:]))
@@ -283,7 +292,9 @@ def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
             roots = saved.pop(m)
             outs.pop(m, None)
             if roots:
-                torch.autograd.backward(roots, [None if last else r.new_zeros(0) for r in roots])
+                seeds = [r.new_zeros(0) for r in roots] if not last else \
+                    [torch.full_like(roots[0], loss_scale) if loss_scale != 1.0 else None] + [None] * (len(roots) - 1)
+                torch.autograd.backward(roots, seeds)
         now = time.perf_counter()
         events.append((a.op.value, m, clock, now))
         clock = now
@@ -369,13 +380,22 @@ def clip_grad_norm(t: PipelineTrainer, max_norm: float) -> float:
 def clip_and_step(t: PipelineTrainer, loss: torch.Tensor, step: int) -> float:
     """The global norm and loss (one all-reduce), clipping and the update; NonFiniteError
     (runtime.train) before the update when either is not finite. Returns the global loss."""
-    assert t.optimizer is not None and t.config is not None, "clip_and_step needs setup's trainer"
+    assert t.optimizer is not None and t.config is not None and t.scaler is not None, \
+        "clip_and_step needs setup's trainer"
+    scaling = t.scaler.is_enabled()
+    if scaling:
+        t.scaler.unscale_(t.optimizer)
     both = torch.stack([_square_norm(t), loss.to(torch.float64)])
     dist.all_reduce(both, group=t.world)
-    check_finite(step, loss=float(both[1]), gradient_norm=float(both[0].sqrt()))
-    if t.config.max_grad_norm is not None:
-        _clip(t, float(both[0].sqrt()), t.config.max_grad_norm)
-    t.optimizer.step()
+    norm = float(both[0].sqrt())
+    if scaling:  # an overflow skips the step on every rank (the scaler) instead of stopping the run
+        check_finite(step, loss=float(both[1]))
+    else:
+        check_finite(step, loss=float(both[1]), gradient_norm=norm)
+    if t.config.max_grad_norm is not None and math.isfinite(norm):
+        _clip(t, norm, t.config.max_grad_norm)
+    t.scaler.step(t.optimizer)
+    t.scaler.update()
     t.optimizer.zero_grad(set_to_none=True)
     return float(both[1])
 
@@ -391,6 +411,14 @@ def seconds_by_kind(events: list[tuple[str, int, float, float]]) -> dict[str, fl
     return out
 
 
+def scale_of(t: PipelineTrainer) -> float:
+    """The loss scaler's current scale (1 when disabled); scale() of a one initialises it on
+    first use, as torch's AMP recipe's first scaler.scale(loss) does."""
+    if t.scaler is None or not t.scaler.is_enabled():
+        return 1.0
+    return float(t.scaler.scale(torch.ones((), device=t.device)))
+
+
 def train_step(t: PipelineTrainer, step: int, inputs: Sequence[torch.Tensor] | None = None) -> float:
     """One step (module docstring) on this rank's rows of each input of global batch `step`
     (`inputs`; by default spec_inputs'); returns the global loss. `t.phases` gets this rank's
@@ -399,7 +427,7 @@ def train_step(t: PipelineTrainer, step: int, inputs: Sequence[torch.Tensor] | N
     then its actions (run_actions), the gradient syncs ("sync") and the update ("update")."""
     with precision(t.dtype):
         start, events = time.perf_counter(), []
-        loss = run_actions(t, spec_inputs(t, step) if inputs is None else inputs, events)
+        loss = run_actions(t, spec_inputs(t, step) if inputs is None else inputs, events, loss_scale=scale_of(t))
         t.outbox.flush()
         actions = time.perf_counter()
         sync_gradients(t)

@@ -153,6 +153,8 @@ def send_forward(x: torch.Tensor, link: Link) -> torch.Tensor:
     """Post this rank's slices of a boundary tensor (module docstring); returns the token to
     differentiate in B(m)."""
     red = link.plan.source_reduction
+    if x.is_floating_point() and x.dtype != link.dtype:  # a 16-bit activation (runtime.mixed_precision)
+        x = x.to(link.dtype)
     if link.reduce_first is not None:  # a 0-d Partial source: summed on the source stage (planner.pipeline)
         x = all_reduce(x, link.reduce_first)
     if red is not None:
