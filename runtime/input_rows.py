@@ -16,7 +16,9 @@ layout's rows to positions in them).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
+
+import torch
 
 from instruction_set.layouts import Layout
 from instruction_set.mesh import Mesh
@@ -125,5 +127,21 @@ def local_rows(rows: Sequence[int], wanted: range) -> slice | list[int]:
     return [at[r] for r in wanted]
 
 
-__all__ = ["input_names", "input_rows", "layout_rows", "local_rows", "pipeline_reads", "spmd_reads", "stage_mesh_of",
+def check_rows(plan: Plan, rows: Sequence[Sequence[int]], rank: int, inputs: Sequence[Any]) -> None:
+    """ValueError unless `inputs` are this rank's rows `rows[i]` of each of the plan's inputs
+    (input_rows'), in the plan's order: the count, then each shape, named with both."""
+    nodes = [n for n in plan.graph.nodes if n.op == "input"]
+    if len(inputs) != len(nodes):
+        raise ValueError(f"the plan's forward takes {len(nodes)} inputs "
+                         f"({', '.join(n.name for n in nodes)}), {len(inputs)} were given")
+    for node, mine, x in zip(nodes, rows, inputs):
+        want = (len(mine), *node.out.shape[1:])
+        if not torch.is_tensor(x) or tuple(x.shape) != want:
+            got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+            raise ValueError(f"input {node.name!r} on rank {rank}: shape {got}, this rank's rows of "
+                             f"the plan's {tuple(node.out.shape)} are {want} ({len(mine)} of "
+                             f"{node.out.shape[0]} rows; hetsynth.data.loader gives them)")
+
+
+__all__ = ["check_rows", "input_names", "input_rows", "layout_rows", "local_rows", "pipeline_reads", "spmd_reads", "stage_mesh_of",
            "stage_statistics"]

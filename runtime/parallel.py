@@ -44,7 +44,7 @@ import contextlib
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ from instruction_set.plan import Plan
 from instruction_set.shards import MeshLayout
 from runtime.codegen import RankProgram, build_rank_program, local_slice
 from runtime.groups import Groups
-from runtime.input_rows import input_names, input_rows, layout_rows, local_rows
+from runtime.input_rows import check_rows, input_names, input_rows, layout_rows, local_rows
 from runtime.mixed_precision import autocast, loss_scaler
 from runtime.rank_state import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
 from runtime.zero import ZeroState
@@ -155,8 +155,7 @@ class ParallelModule(PlannedModule):
                           device=device, dtype=dtype, unread=unread, pending=None, stale=False,
                           new_cycle=True, synced=True, rows=input_rows(plan, groups.rank),
                           backward_done_s=0.0, bucket_timings=[],
-                          scaler=loss_scaler(plan, device, groups.group("all"), dtype),
-                          input_nodes=[n for n in plan.graph.nodes if n.op == "input"])
+                          scaler=loss_scaler(plan, device, groups.group("all"), dtype))
         vars(self)["_reads"] = self._layout_positions()
         vars(self)["_leaf_ids"] = {id(p) for _, p in self.named_parameters()}
         ref = weakref.ref(self)
@@ -233,21 +232,8 @@ class ParallelModule(PlannedModule):
             out.append((i, local_rows(self.rows[i], wanted)))
         return out
 
-    def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        nodes = self.input_nodes
-        if len(inputs) != len(nodes):
-            raise ValueError(f"the plan's forward takes {len(nodes)} inputs "
-                             f"({', '.join(n.name for n in nodes)}), {len(inputs)} were given")
-        for node, rows, x in zip(nodes, self.rows, inputs):
-            want = (len(rows), *node.out.shape[1:])
-            if not torch.is_tensor(x) or tuple(x.shape) != want:
-                got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
-                raise ValueError(f"input {node.name!r} on rank {self.groups.rank}: shape {got}, this rank's rows of "
-                                 f"the plan's {tuple(node.out.shape)} are {want} ({len(rows)} of "
-                                 f"{node.out.shape[0]} rows; hetsynth.data.loader gives them)")
-
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        self._check_inputs(inputs)
+        check_rows(self.plan, self.rows, self.groups.rank, inputs)
         self.flush()
         grad = torch.is_grad_enabled()
         if grad and self.new_cycle:

@@ -22,9 +22,7 @@ from instruction_set.training_state import TrainingState
 from planner.planner import DP_SEED, with_zero
 from runtime.config import TrainConfig
 from runtime.input_rows import input_rows
-from runtime.rank_state import assemble
-from runtime.train import reference_training
-from test_parity import CONFIG, make
+from test_parity import CONFIG, check_results, make
 
 # (model, compute ratios with a rank of none, state ratios: that rank holds rows of the state, or none)
 CASES = [("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1]),
@@ -55,14 +53,7 @@ def zero3_plan(ref: str, ratios: list[float], q: list[float], recompute: bool = 
 def check_exact(pools, plan: Plan) -> list[int]:
     """Train on the pool; losses and parameters as one device's. Returns each rank's regathers."""
     results = pools.get(plan.cluster.num_devices).run(zero3_worker, plan, CONFIG, timeout_s=300)
-    spec = parse_model_ref(plan.model.ref)
-    expected_losses, expected = reference_training(spec, spec.batch_size, CONFIG)
-    for step, (got, want) in enumerate(zip(results[0][0], expected_losses)):
-        assert abs(got - want) <= 1e-9 * abs(want), f"step {step}: loss {got} != {want}"
-    params = assemble(plan, [r[1] for r in results])
-    for name, value in params.items():
-        err = float((value - expected[name]).abs().max()) if value.numel() else 0.0
-        assert err <= 1e-8, f"{name}: max difference {err}"
+    check_results(plan, results)
     return [r[2] for r in results]
 
 

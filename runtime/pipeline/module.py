@@ -28,7 +28,7 @@ pipeline plans: runtime.parallel.ParallelModule's face, on the executor `hetsynt
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch import nn
 from instruction_set.plan import Plan
 from instruction_set.shards import MeshLayout
 from runtime.codegen import local_slice
+from runtime.input_rows import check_rows
 from runtime.parallel import Piece, PlannedModule
 from runtime.pipeline.checkpoint import whole_buffers as merge_buffers
 from runtime.pipeline.trainer import (assemble, build, clip_grad_norm, first_holder, local_buffers,
@@ -93,26 +94,13 @@ class PipelineModule(PlannedModule):
 
     # -- the step ---------------------------------------------------------------------------
 
-    def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        nodes = [n for n in self.plan.graph.nodes if n.op == "input"]
-        if len(inputs) != len(nodes):
-            raise ValueError(f"the plan's forward takes {len(nodes)} inputs "
-                             f"({', '.join(n.name for n in nodes)}), {len(inputs)} were given")
-        for node, rows, x in zip(nodes, self.t.rows, inputs):
-            want = (len(rows), *node.out.shape[1:])
-            if not torch.is_tensor(x) or tuple(x.shape) != want:
-                got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
-                raise ValueError(f"input {node.name!r} on rank {self.t.groups.rank}: shape {got}, this rank's rows "
-                                 f"of the plan's {tuple(node.out.shape)} are {want} ({len(rows)} of "
-                                 f"{node.out.shape[0]} rows; hetsynth.data.loader gives them)")
-
     def train_step(self, *inputs: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch, then the gradient sync unless inside
         no_sync(); returns this rank's loss summand (float64, detached). The backward is of
         loss_scale * loss (a mean over accumulation micro-steps), times the loss scaler's scale
         when `scaler` is enabled (then `scaler.unscale_`, `step` and `update` as torch's AMP
         recipe); the returned summand is not scaled."""
-        self._check_inputs(inputs)
+        check_rows(self.plan, self.t.rows, self.t.groups.rank, inputs)
         loss_scale *= scale_of(self.t)
         with precision(self.t.dtype):
             loss = run_actions(self.t, list(inputs), loss_scale=loss_scale)
@@ -125,7 +113,7 @@ class PipelineModule(PlannedModule):
         """An evaluation pass under torch.no_grad (the loss summand, float64); an error otherwise."""
         if torch.is_grad_enabled():
             raise RuntimeError(TRAIN_STEP)
-        self._check_inputs(inputs)
+        check_rows(self.plan, self.t.rows, self.t.groups.rank, inputs)
         with precision(self.t.dtype):
             loss = run_actions(self.t, list(inputs), backward=False)
             self.t.outbox.flush()
