@@ -29,7 +29,7 @@ FAMILIES = ("gpt", "bert", "vit", "vgg", "moe")
 CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-import planner
+import hetsynth.planner as planner
 assert planner.__file__.startswith({root!r}), planner.__file__
 from hetsynth import capture_model
 start = time.perf_counter()

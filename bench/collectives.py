@@ -36,7 +36,7 @@ SKEWS = [0.0, 0.4, 0.6, 0.75, 0.9]   # 0 = even (25% each); else the first rank'
 
 def environment(name: str, workdir: Path) -> Path:
     """The spec of an environment, profiled."""
-    from instruction_set.cluster import dump_cluster_toml, load_cluster
+    from hetsynth.instruction_set.cluster import dump_cluster_toml, load_cluster
 
     base = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
     if name == "local":
@@ -53,8 +53,8 @@ def environment(name: str, workdir: Path) -> Path:
 
 
 def measure(spec_path: Path, sizes: list[int], reps: int, workdir: Path) -> list[dict]:
-    from instruction_set.cluster import load_cluster
-    from runtime.launch import launch_checked
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.runtime.launch import launch_checked
 
     out = workdir / "records.json"
     launch_checked(load_cluster(spec_path), [str(ROOT / "bench" / "collectives_worker.py"), "--sizes",
@@ -64,8 +64,8 @@ def measure(spec_path: Path, sizes: list[int], reps: int, workdir: Path) -> list
 
 
 def predict(spec_path: Path, record: dict) -> float:
-    from instruction_set.cluster import load_cluster
-    from cost_models.comm import CommModel
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.cost_models.comm import CommModel
 
     model = CommModel(load_cluster(spec_path), two_level=False)
     kind, variant = record["case"].split(".")

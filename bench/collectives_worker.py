@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from instruction_set.mesh import Mesh  # noqa: E402
-from profiling.profiler import measure_collectives  # noqa: E402
-from runtime.groups import Groups  # noqa: E402
-from runtime.rank import run_rank  # noqa: E402
+from hetsynth.instruction_set.mesh import Mesh  # noqa: E402
+from hetsynth.profiling.profiler import measure_collectives  # noqa: E402
+from hetsynth.runtime.groups import Groups  # noqa: E402
+from hetsynth.runtime.rank import run_rank  # noqa: E402
 
 
 def main() -> None:

@@ -71,7 +71,7 @@ def equal_quota_copy(source: Path, measured: Path | None = None) -> str:
     kind's measured cost of transfers in flight (transfer_cpu_*), which the bucket choice uses."""
     import tomllib
 
-    from instruction_set.cluster import cluster_from_dict, dump_cluster_toml
+    from hetsynth.instruction_set.cluster import cluster_from_dict, dump_cluster_toml
 
     raw = tomllib.loads(source.read_text())
     quotas = raw["emulation"]["cpu_quota"]
@@ -89,10 +89,10 @@ def equal_quota_copy(source: Path, measured: Path | None = None) -> str:
 
 def run_env(env: str, model: str, workdir: Path, rounds: int, steps: int) -> dict:
     import hetsynth
-    from planner import baselines
-    from planner.planner import make_plan
-    from planner.step_cost import ONE_BUCKET
-    from runtime.launch import launch_checked
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import make_plan
+    from hetsynth.planner.step_cost import ONE_BUCKET
+    from hetsynth.runtime.launch import launch_checked
 
     spec_path = workdir / f"{env}.toml"
     spec_path.write_text(LOCAL_SPEC if env == "local" else equal_quota_copy(EMULATED, MEASURED))
@@ -105,7 +105,7 @@ def run_env(env: str, model: str, workdir: Path, rounds: int, steps: int) -> dic
         paths[name] = workdir / f"{env}-{name}.json"
         hetsynth.save_plan(plan, paths[name])
     report = workdir / f"{env}-compare.json"
-    launch_checked(cluster, ["-m", "runtime.compare", "--plans", *map(str, paths.values()), "--names", *paths,
+    launch_checked(cluster, ["-m", "hetsynth.runtime.compare", "--plans", *map(str, paths.values()), "--names", *paths,
                              "--ddp", f"ddp=mean:{paths['hetsynth']}", "--user", f"parallelize={paths['hetsynth']}",
                              "--warmup", "2", "--rounds", str(rounds),
                              "--steps", str(steps), "--report", str(report)], f"ddp_overhead ({env})")

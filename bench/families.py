@@ -36,7 +36,7 @@ STEPS = 5
 
 def capture(ref: str) -> tuple[Any, dict]:
     import hetsynth
-    from planner.capture import UnsupportedOpsError
+    from hetsynth.planner.capture import UnsupportedOpsError
 
     start = time.perf_counter()
     try:
@@ -50,8 +50,8 @@ def capture(ref: str) -> tuple[Any, dict]:
 
 
 def plan(graph: Any) -> tuple[Any, dict]:
-    from instruction_set.cluster import load_cluster
-    from planner.planner import make_plan
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.planner import make_plan
 
     cluster = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml").first(4)
     start = time.perf_counter()
@@ -63,9 +63,9 @@ def plan(graph: Any) -> tuple[Any, dict]:
 
 
 def check(pools: dict, result: Any) -> dict:
-    from runtime.check import check_on_pool
-    from runtime.pool import RankPool
-    from runtime.config import TrainConfig
+    from hetsynth.runtime.check import check_on_pool
+    from hetsynth.runtime.pool import RankPool
+    from hetsynth.runtime.config import TrainConfig
 
     if pools.get("pool") is None or pools["pool"].broken:
         pools["pool"] = RankPool(4, timeout_s=300)

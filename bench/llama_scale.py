@@ -22,8 +22,8 @@ REF = ("hf:llama,num_layers=32,hidden=4096,num_heads=32,num_kv_heads=8,ffn_hidde
 CHILD = """
 import json, time
 import hetsynth
-from instruction_set.cluster import load_cluster
-from planner.planner import make_plan
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.planner.planner import make_plan
 start = time.perf_counter()
 graph = hetsynth.capture_model({ref!r})
 captured = time.perf_counter()

@@ -47,8 +47,8 @@ def profile(force: bool) -> Path:
 def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, float]]:
     """name -> (plan file, predicted step seconds, sync_summary) for hetsynth, DP-EV and DP-CP."""
     import hetsynth
-    from planner import baselines
-    from planner.planner import make_plan
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import make_plan
 
     cluster = hetsynth.load_cluster(str(cluster_path))
     graph = hetsynth.capture_measured(ref, cluster=cluster)
@@ -78,14 +78,14 @@ def sync_summary(plan) -> dict:
 
 
 def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
-    from instruction_set.cluster import load_cluster
-    from runtime.launch import launch_checked
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.runtime.launch import launch_checked
 
     report = workdir / "compare.json"
     names = list(made)
     ddp = [f"ddp_ev=mean:{made['dp_ev'][0]}", f"ddp_cp=weighted:{made['dp_cp'][0]}"]
     launch_checked(load_cluster(cluster_path),
-                   ["-m", "runtime.compare", "--plans", *[made[n][0] for n in names], "--names", *names,
+                   ["-m", "hetsynth.runtime.compare", "--plans", *[made[n][0] for n in names], "--names", *names,
                     "--ddp", *ddp, "--warmup", "2", "--rounds", str(rounds), "--steps", str(steps),
                     "--report", str(report)], "measurement")
     return json.loads(report.read_text())

@@ -63,8 +63,8 @@ MIB = 2**20
 def make_plans(model: str, cluster_path: Path, workdir: Path) -> dict[str, Path]:
     """hetsynth's plan and the data-parallel plans whose rows the DDP entries take (even, proportional)."""
     import hetsynth
-    from planner import baselines
-    from planner.planner import make_plan
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import make_plan
 
     cluster, graph = hetsynth.load_cluster(str(cluster_path)), hetsynth.capture_model(model)
     plans = {"hetsynth": make_plan(graph, cluster, progress=False, with_baselines=False),
@@ -79,7 +79,7 @@ def make_plans(model: str, cluster_path: Path, workdir: Path) -> dict[str, Path]
 
 
 def entry_args(config: str, plans: dict[str, Path]) -> list[str]:
-    """runtime.compare's arguments for one configuration alone."""
+    """hetsynth.runtime.compare's arguments for one configuration alone."""
     if config == "hetsynth":
         return ["--plans", str(plans["hetsynth"]), "--names", config]
     if config in FSDP:
@@ -92,11 +92,11 @@ def run_config(config: str, cluster_path: Path, plans: dict[str, Path], workdir:
                rounds: int) -> dict:
     """One launch of one configuration: its median step, peaks and limits per rank, or its failure."""
     import hetsynth
-    from runtime.launch import MEMORY_FILE, launch_in, recorded_run
+    from hetsynth.runtime.launch import MEMORY_FILE, launch_in, recorded_run
 
     report = workdir / f"{config}-report.json"
     cluster = hetsynth.load_cluster(str(cluster_path))
-    args = ["-m", "runtime.compare", *entry_args(config, plans), "--warmup", str(warmup), "--rounds", str(rounds),
+    args = ["-m", "hetsynth.runtime.compare", *entry_args(config, plans), "--warmup", str(warmup), "--rounds", str(rounds),
             "--steps", "1", "--report", str(report)]
     with recorded_run() as (record, launch_dir):
         rc, failure = launch_in(record, launch_dir, cluster, args, timeout_s=120)
@@ -114,7 +114,7 @@ def run_config(config: str, cluster_path: Path, plans: dict[str, Path], workdir:
 
 def predicted(plan_path: Path) -> dict:
     """hetsynth's predicted step and peak per device (MiB)."""
-    from instruction_set.plan import load_plan
+    from hetsynth.instruction_set.plan import load_plan
 
     plan = load_plan(str(plan_path))
     return {"step_s": plan.predicted.step_time_s,

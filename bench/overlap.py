@@ -34,7 +34,7 @@ from common import RESULTS, ROOT, markdown_table, print_table, write_json
 
 sys.path.insert(0, str(ROOT))
 
-from instruction_set.program import FUSED_MATMULS  # noqa: E402  (after the path)
+from hetsynth.instruction_set.program import FUSED_MATMULS  # noqa: E402  (after the path)
 
 BASE = RESULTS / "local-emulated-measured.toml"
 # GPT small-cpu widened (hidden 512, FFN 2048) on 8 sequences of 64 tokens: weights big against
@@ -47,7 +47,7 @@ TOKENS = 2048
 def environment(name: str, workdir: Path, period_us: int | None = None) -> Path:
     """The spec of an environment (module docstring), written to workdir; `period_us` replaces
     the CPU quotas' period."""
-    from instruction_set.cluster import dump_cluster_toml, load_cluster
+    from hetsynth.instruction_set.cluster import dump_cluster_toml, load_cluster
 
     base = load_cluster(BASE)
     raw = base.model_dump(mode="json", exclude_none=True)
@@ -69,8 +69,8 @@ def environment(name: str, workdir: Path, period_us: int | None = None) -> Path:
 def measure(spec_path: Path, cases: list[dict], reps: int | None, workdir: Path, trace: bool = False) -> list[dict]:
     """Every case measured by bench/overlap_worker.py on the spec's emulated cluster, `reps` times
     (None: each case's own "reps")."""
-    from instruction_set.cluster import load_cluster
-    from runtime.launch import launch_checked
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.runtime.launch import launch_checked
 
     case_file, out = workdir / "cases.json", workdir / "records.json"
     case_file.write_text(json.dumps(cases))
@@ -95,8 +95,8 @@ class Model:
     the fused forms from cost_models.fused with the kind's transfer CPU share."""
 
     def __init__(self, spec_path: Path) -> None:
-        from cost_models.comm import CommModel
-        from instruction_set.cluster import load_cluster
+        from hetsynth.cost_models.comm import CommModel
+        from hetsynth.instruction_set.cluster import load_cluster
 
         self.spec = load_cluster(spec_path)
         self.comm = CommModel(self.spec, two_level=False)
@@ -107,7 +107,7 @@ class Model:
         return flops / self.kind.throughput_flops + self.kind.kernel_launch_us * 1e-6
 
     def _ring(self, case: dict) -> "Ring":
-        from cost_models.fused import Ring
+        from hetsynth.cost_models.fused import Ring
 
         n = len(case["lengths"])
         row = 4.0 * (case["hidden"] if case["kind"] == "ag_matmul" else case["out"])
@@ -136,8 +136,8 @@ class Model:
         return per_row * imbalance(case["lengths"])
 
     def predict(self, case: dict) -> dict[str, float]:
-        from cost_models.fused import ring_cost, sliced_cost
-        from cost_models.terms import seconds
+        from hetsynth.cost_models.fused import ring_cost, sliced_cost
+        from hetsynth.cost_models.terms import seconds
 
         ring, gather = self._ring(case), case["kind"] == "ag_matmul"
         out = {"unfused": self.matmul_s(case) + self._collective_s(case, 1),
@@ -342,10 +342,10 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
     (planner.without_fusion), trained interleaved (runtime.compare): measured median step
     times beside the predictions; the fused plan's steps are also traced (per_instruction)."""
     import hetsynth
-    from instruction_set.cluster import load_cluster
-    from planner.planner import make_plan, without_fusion
-    from planner.problem import Restrictions
-    from runtime.launch import launch_checked
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.planner import make_plan, without_fusion
+    from hetsynth.planner.problem import Restrictions
+    from hetsynth.runtime.launch import launch_checked
 
     spec_path = environment(env, workdir, period_us)
     spec = load_cluster(spec_path)
@@ -369,7 +369,7 @@ def end_to_end(env: str, model_ref: str, workdir: Path, rounds: int,
     report, raw = workdir / "compare.json", workdir / "raw"
     raw.mkdir()
     raw.chmod(0o777)  # ranks of an emulated cluster may run as another user
-    launch_checked(spec, ["-m", "runtime.compare", "--plans", str(paths["fused"]), str(paths["unfused"]),
+    launch_checked(spec, ["-m", "hetsynth.runtime.compare", "--plans", str(paths["fused"]), str(paths["unfused"]),
                           "--names", "fused", "unfused", "--warmup", "2", "--rounds", str(rounds), "--steps", "2",
                           "--traced", "fused", "--trace-raw", str(raw), "--report", str(report)],
                    "end-to-end measurement")

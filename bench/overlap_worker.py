@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from runtime.collectives.fused import (ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring,  # noqa: E402
+from hetsynth.runtime.collectives.fused import (ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring,  # noqa: E402
                                        matmul_rs_sliced)
-from runtime.collectives.gather import gather_padded  # noqa: E402
-from runtime.collectives.scatter import scatter_padded  # noqa: E402
-from runtime.collectives.span import Span  # noqa: E402
-from runtime.rank import run_rank  # noqa: E402
+from hetsynth.runtime.collectives.gather import gather_padded  # noqa: E402
+from hetsynth.runtime.collectives.scatter import scatter_padded  # noqa: E402
+from hetsynth.runtime.collectives.span import Span  # noqa: E402
+from hetsynth.runtime.rank import run_rank  # noqa: E402
 
 VARIANTS = ("matmul", "unfused", "sliced2", "sliced4", "fused")
 

@@ -76,16 +76,16 @@ def profile(cluster: Path, force: bool) -> Path:
 
 def _measured_graph(ref: str, cluster):
     import hetsynth
-    from profiling.measured import measure_at
+    from hetsynth.profiling.measured import measure_at
 
     graph = hetsynth.capture_measured(ref, cluster=cluster)
     return graph, measure_at(ref, graph)
 
 
 def _schedules(pipeline_plan) -> dict:
-    from instruction_set.plan import PlanShape
-    from instruction_set.schedule import Schedule
-    from planner.pipeline import with_schedule
+    from hetsynth.instruction_set.plan import PlanShape
+    from hetsynth.instruction_set.schedule import Schedule
+    from hetsynth.planner.pipeline import with_schedule
 
     return {f"pipeline_{s}": with_schedule(pipeline_plan, Schedule(s)).model_copy(update={"shape": PlanShape.PIPELINE})
             for s in SCHEDULES}
@@ -94,8 +94,8 @@ def _schedules(pipeline_plan) -> dict:
 def _baselines(ref: str, cluster_path: Path) -> tuple[dict, object]:
     """{"spmd": the best SPMD plan, "dp_cp": DP-CP} of `ref`, and its micro-batch timer."""
     import hetsynth
-    from planner import baselines
-    from planner.planner import make_plan
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import make_plan
 
     cluster = hetsynth.load_cluster(str(cluster_path))
     graph, measure = _measured_graph(ref, cluster)
@@ -112,8 +112,8 @@ def _facts(plan) -> dict:
 
 def main_plans(cluster_path: Path) -> tuple[dict, dict]:
     """name -> Plan: spmd, dp_cp and the auto pipeline under each schedule; and facts."""
-    from instruction_set.models import parse_model_ref
-    from planner.pipeline import auto_stages
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.pipeline import auto_stages
 
     made, measure = _baselines(MAIN, cluster_path)
     chosen = auto_stages(made["spmd"], parse_model_ref(MAIN), measure=measure)
@@ -124,8 +124,8 @@ def main_plans(cluster_path: Path) -> tuple[dict, dict]:
 
 def eager_plans(cluster_path: Path) -> tuple[dict, dict]:
     """The same for the eager scenario's 2 stages of 16 micro-batches (`--stages 2`)."""
-    from instruction_set.models import parse_model_ref
-    from planner.pipeline import plan_stages
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.pipeline import plan_stages
 
     made, measure = _baselines(EAGER, cluster_path)
     staged = plan_stages(made["spmd"], parse_model_ref(EAGER), 2, num_micro=16, measure=measure)
@@ -145,7 +145,7 @@ def stage_terms(plan) -> list[dict]:
     (charged to its actions) and of those it receives (charged where it is busy while the data
     arrives: cost_models.schedule), to set against the measured `actions.forward` and
     `actions.backward` of its ranks."""
-    from planner.stage_times import boundary_cpus, receive_cpu, stage_phases, stage_times
+    from hetsynth.planner.stage_times import boundary_cpus, receive_cpu, stage_phases, stage_times
 
     p = plan.pipeline
     cpus = boundary_cpus(p.stages, p.boundaries, p.micro_batches)
@@ -166,7 +166,7 @@ def stage_terms(plan) -> list[dict]:
 def transfer_ratios(plan) -> list[dict]:
     """Per boundary: its predicted transfer C at the largest micro-batch and C / (F + B) of
     the stages at both ends (planner.stage_times)."""
-    from planner.stage_times import stage_phases
+    from hetsynth.planner.stage_times import stage_phases
 
     p = plan.pipeline
     b = max(p.micro_batches)
@@ -182,9 +182,9 @@ def transfer_ratios(plan) -> list[dict]:
 def local_check() -> dict:
     """Planning only: on the shipped local-emulated cluster the planner keeps SPMD."""
     import hetsynth
-    from instruction_set.models import parse_model_ref
-    from planner.pipeline import auto_stages
-    from planner.planner import make_plan
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.pipeline import auto_stages
+    from hetsynth.planner.planner import make_plan
 
     ref = "gpt:small-cpu"
     cluster = hetsynth.load_cluster(str(LOCAL_MEASURED))
@@ -203,8 +203,8 @@ def predicted(plan) -> float:
 
 def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
     import hetsynth
-    from instruction_set.cluster import load_cluster
-    from runtime.launch import launch_checked
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.runtime.launch import launch_checked
 
     paths = []
     for name, plan in made.items():
@@ -212,7 +212,7 @@ def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: i
         hetsynth.save_plan(plan, paths[-1])
     report = workdir / "compare.json"
     launch_checked(load_cluster(cluster_path),
-                   ["-m", "runtime.compare", "--plans", *paths, "--names", *made, "--warmup", "2",
+                   ["-m", "hetsynth.runtime.compare", "--plans", *paths, "--names", *made, "--warmup", "2",
                     "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)], "measurement",
                    timeout_s=1500)
     return json.loads(report.read_text())

@@ -48,7 +48,7 @@ def hetsynth(*args: str, env: dict | None = None, timeout: float = 300) -> tuple
 
 def make_plan(path: Path, devices: int | None = None) -> None:
     import hetsynth as api
-    from instruction_set.cluster import load_cluster
+    from hetsynth.instruction_set.cluster import load_cluster
 
     cluster = load_cluster(CLUSTER)
     api.save_plan(api.plan("gpt:tiny", cluster=cluster.first(devices) if devices else cluster), path)
@@ -106,7 +106,7 @@ def fault_run(plan: Path, how: str, timeout_s: int = 10) -> dict:
 def killed_launcher(plan: Path) -> dict:
     """SIGKILL `hetsynth run` after its first step; what its record lists still exists, then
     `hetsynth cleanup` (timed), then what still exists."""
-    from runtime.runstate import state_dir
+    from hetsynth.runtime.runstate import state_dir
 
     proc = subprocess.Popen([sys.executable, "-m", "hetsynth", "run", str(plan), "--steps", "1000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -124,8 +124,8 @@ def killed_launcher(plan: Path) -> dict:
 
 
 def exists(kind: str, name: str) -> bool:
-    from runtime.emulation import leftovers
-    from runtime.heartbeat import process_state
+    from hetsynth.runtime.emulation import leftovers
+    from hetsynth.runtime.heartbeat import process_state
 
     if kind == "session":  # a zombie (killed, its parent not yet told) is gone
         pid, start = name.split(":")
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--skip-faults", action="store_true")
     p.add_argument("--skip-runs", action="store_true")
     args = p.parse_args()
-    from runtime.emulation import unavailable
+    from hetsynth.runtime.emulation import unavailable
 
     result: dict = {"emulated": unavailable() is None}
     with tempfile.TemporaryDirectory(prefix="hetsynth-bench-") as tmp:

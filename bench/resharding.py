@@ -33,13 +33,13 @@ from common import ROOT, print_tables, write_json
 
 sys.path.insert(0, str(ROOT))
 
-from cost_models.flows import NicModel  # noqa: E402
-from instruction_set.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
-from instruction_set.mesh import Mesh  # noqa: E402
-from instruction_set.reshard_sides import Placed, reshard_spec  # noqa: E402
-from instruction_set.resharding import ReshardMethod, ReshardPlan  # noqa: E402
-from instruction_set.shards import largest_remainder  # noqa: E402
-from planner.resharding import plan_reshard  # noqa: E402
+from hetsynth.cost_models.flows import NicModel  # noqa: E402
+from hetsynth.instruction_set.cluster import ClusterSpec, cluster_from_dict  # noqa: E402
+from hetsynth.instruction_set.mesh import Mesh  # noqa: E402
+from hetsynth.instruction_set.reshard_sides import Placed, reshard_spec  # noqa: E402
+from hetsynth.instruction_set.resharding import ReshardMethod, ReshardPlan  # noqa: E402
+from hetsynth.instruction_set.shards import largest_remainder  # noqa: E402
+from hetsynth.planner.resharding import plan_reshard  # noqa: E402
 
 PER_HOST = 4
 SPEEDS = {"uniform": (500, 500, 500, 500), "two-speed": (500, 250, 500, 500), "five-host": (500,) * 5}
@@ -111,7 +111,7 @@ def plans(spec: ClusterSpec, src: Placed, dst: Placed, shape: tuple[int, ...], n
 
 
 def measure(spec: ClusterSpec, named: list[tuple[str, dict[str, ReshardPlan]]], reps: int, workdir: Path) -> list[dict]:
-    from runtime.launch import launch_checked
+    from hetsynth.runtime.launch import launch_checked
 
     path, out = workdir / f"{spec.name}-cases.json", workdir / f"{spec.name}-records.json"
     path.write_text(json.dumps([{"name": n, "plans": {m: p.model_dump(mode="json") for m, p in ps.items()

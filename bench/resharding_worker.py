@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from instruction_set.resharding import ReshardPlan, full_box  # noqa: E402
-from runtime.rank import run_rank  # noqa: E402
-from runtime.resharding import forward_exchange  # noqa: E402
+from hetsynth.instruction_set.resharding import ReshardPlan, full_box  # noqa: E402
+from hetsynth.runtime.rank import run_rank  # noqa: E402
+from hetsynth.runtime.resharding import forward_exchange  # noqa: E402
 
 
 def main() -> None:

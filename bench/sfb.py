@@ -52,7 +52,7 @@ def case_plans(ref: str, cluster) -> tuple[dict, list[str]]:
     import dataclasses
 
     import hetsynth
-    from planner.planner import DP_SEED, make_plan, without_sfb
+    from hetsynth.planner.planner import DP_SEED, make_plan, without_sfb
 
     graph = hetsynth.capture_measured(ref, cluster=cluster)
     plan = lambda **r: make_plan(graph, cluster, progress=False, with_baselines=False,

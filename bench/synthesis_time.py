@@ -45,15 +45,15 @@ from common import RESULTS, markdown_table, print_table, print_tables, run_child
 PREAMBLE = """
 import json, resource, time
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from planner.planner import search_plan
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.planner.planner import search_plan
 """
 
 SEARCH = """
 start = time.perf_counter()
 best, stats = search_plan(graph, cluster, progress=False)
 seconds = time.perf_counter() - start
-from planner.problem import Problem
+from hetsynth.planner.problem import Problem
 print(json.dumps({{"seconds": seconds, "search_seconds": stats.search_s, "lp_seconds": stats.lp_s,
                   "states_expanded": stats.expanded, "rounds": stats.rounds, "exact": stats.exact,
                   "ops": len(graph.calls), "predicted_step_s": best.prediction.step_time_s,
@@ -73,9 +73,9 @@ graph = capture_model("gpt:paper,batch_size={batch}")
 
 
 PIPELINE = PREAMBLE + """
-import planner.stage_dp as stage_dp
-from instruction_set.models import parse_model_ref
-from planner.pipeline import auto_stages, block_starts
+import hetsynth.planner.stage_dp as stage_dp
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.planner.pipeline import auto_stages, block_starts
 import hetsynth
 clocks = lambda: (time.perf_counter(), time.process_time())
 ref = "gpt:paper,num_layers={layers}"
@@ -111,9 +111,9 @@ print(json.dumps({{**times, "spmd_search_seconds": spmd.synthesis.seconds, "ops"
 
 
 DP_ONLY = PREAMBLE + """
-import planner.stage_dp as stage_dp
-from planner.pipeline import block_starts
-from planner.planner import model_info
+import hetsynth.planner.stage_dp as stage_dp
+from hetsynth.planner.pipeline import block_starts
+from hetsynth.planner.planner import model_info
 cluster = load_cluster("configs/clusters/hap-paper.toml")
 graph = capture_model("gpt:paper,num_layers={layers}")
 start, cpu = time.perf_counter(), time.process_time()

@@ -27,9 +27,9 @@ from bench.common import RESULTS, print_table  # noqa: E402
 def measure(model: str, rounds: int, warmup: int) -> dict:
     from hetsynth.demo import demo_cluster, make_plans
     from hetsynth.measured import comparison, measured_trace, read_raw
-    from instruction_set.plan import save_plan
-    from runtime import emulation
-    from runtime.launch import launch_checked, recorded_run
+    from hetsynth.instruction_set.plan import save_plan
+    from hetsynth.runtime import emulation
+    from hetsynth.runtime.launch import launch_checked, recorded_run
 
     args = argparse.Namespace(cluster="configs/clusters/local-emulated.toml", profile=False)
     cluster, source = demo_cluster(args)
@@ -38,7 +38,7 @@ def measure(model: str, rounds: int, warmup: int) -> dict:
         save_plan(plan, tmp / "plan.json")
         raw = tmp / "trace"
         raw.mkdir(mode=0o777)
-        launch_checked(cluster, ["-m", "runtime.compare", "--plans", str(tmp / "plan.json"), "--names", "hetsynth",
+        launch_checked(cluster, ["-m", "hetsynth.runtime.compare", "--plans", str(tmp / "plan.json"), "--names", "hetsynth",
                                  "--warmup", str(warmup), "--rounds", str(rounds), "--steps", "1",
                                  "--report", str(tmp / "report.json"), "--traced", "hetsynth",
                                  "--trace-raw", str(raw)], "the trace-overhead run")

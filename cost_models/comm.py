@@ -60,14 +60,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Sequence
 
-from cost_models.device_classes import DeviceClasses, NodeType
-from cost_models.linear_cost import LinearCost
-from instruction_set.calibration import AlphaBeta
-from instruction_set.cluster import ClusterSpec
-from instruction_set.kinds import Category, Implementations, kinds
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.mesh import Mesh
-from instruction_set.program import GRAD_BUCKET_BYTES
+from hetsynth.cost_models.device_classes import DeviceClasses, NodeType
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.instruction_set.calibration import AlphaBeta
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.kinds import Category, Implementations, kinds
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.program import GRAD_BUCKET_BYTES
 
 Formula = Callable[["CommModel", str, str, float, str, "tuple[float, ...] | None"], LinearCost]
 FORMULAS: Implementations[Formula] = Implementations("communication cost")

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.linear_cost import LinearCost
-from instruction_set.cluster import DeviceKind
-from instruction_set.graph import Node, TensorMeta
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.instruction_set.cluster import DeviceKind
+from hetsynth.instruction_set.graph import Node, TensorMeta
 
 FREE_OPS = frozenset({
     "aten.view.default", "aten._unsafe_view.default", "aten.transpose.int", "aten.permute.default",

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Hashable, Sequence
 
-from instruction_set.cluster import ClusterSpec, DeviceKind
-from instruction_set.shards import AXES, ShardLengths
+from hetsynth.instruction_set.cluster import ClusterSpec, DeviceKind
+from hetsynth.instruction_set.shards import AXES, ShardLengths
 
 NodeType = tuple[tuple[int, int], ...]  # (class, number of its devices in the node), by class
 

@@ -59,8 +59,8 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.resharding import Chain, MethodCost, ReshardSpec, Slice, Tile
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.resharding import Chain, MethodCost, ReshardSpec, Slice, Tile
 
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 * 1024, 8 * 1024 * 1024
 CONTENTION = 0.1  # extra time of a round whose chains share a NIC (module docstring)

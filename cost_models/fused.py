@@ -41,9 +41,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.linear_cost import LinearCost
-from cost_models.terms import Cost, Form, Overlap, Shares, ShareKind
-from instruction_set.kinds import Category
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.terms import Cost, Form, Overlap, Shares, ShareKind
+from hetsynth.instruction_set.kinds import Category
 
 
 @dataclass(frozen=True)

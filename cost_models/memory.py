@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from cost_models.compute import FREE_OPS
-from instruction_set.graph import Node, SavedTensor
-from instruction_set.layouts import Layout
-from instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES
+from hetsynth.cost_models.compute import FREE_OPS
+from hetsynth.instruction_set.graph import Node, SavedTensor
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES
 
 OPTIMIZER_COPIES = STATE_COPIES[PLANNED_OPTIMIZER]  # parameter, gradient, Adam exp_avg, Adam exp_avg_sq
 

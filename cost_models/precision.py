@@ -25,9 +25,9 @@ The policy float32 everywhere leaves both views unchanged (the same objects).
 
 from __future__ import annotations
 
-from instruction_set.cluster import ClusterSpec, DeviceKind
-from instruction_set.graph import DTYPE_BYTES, Node, ReferenceGraph, SavedTensor, TensorMeta
-from instruction_set.mixed_precision import PrecisionPolicy
+from hetsynth.instruction_set.cluster import ClusterSpec, DeviceKind
+from hetsynth.instruction_set.graph import DTYPE_BYTES, Node, ReferenceGraph, SavedTensor, TensorMeta
+from hetsynth.instruction_set.mixed_precision import PrecisionPolicy
 
 _TORCH_NAMES = {"float32": "float32", "tf32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                 "float8": "float8_e4m3fn"}

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
-from instruction_set.schedule import Action, ActionOp, Link, ScheduleError
+from hetsynth.instruction_set.schedule import Action, ActionOp, Link, ScheduleError
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Iterator, Union
 
-from cost_models.linear_cost import LinearCost
-from cost_models.memory import MemoryTerm
-from instruction_set.kinds import Category
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.memory import MemoryTerm
+from hetsynth.instruction_set.kinds import Category
 
 
 class ShareKind(StrEnum):

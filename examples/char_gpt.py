@@ -118,7 +118,7 @@ def plan(args: argparse.Namespace) -> None:
 def train(args: argparse.Namespace) -> None:
     import hetsynth
     from hetsynth.data import loader
-    from instruction_set.files import write_atomic
+    from hetsynth.instruction_set.files import write_atomic
 
     the_plan = hetsynth.load_plan(os.environ["HETSYNTH_PLAN"])
     size = dict(kv.split("=") for kv in the_plan.model.ref.split(",")[1:])["size"]  # examples/char_gpt.py:make,size=...

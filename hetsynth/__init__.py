@@ -17,9 +17,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from instruction_set.cluster import ClusterSpec, load_cluster
-from instruction_set.graph import ReferenceGraph
-from instruction_set.plan import Plan, load_plan, save_plan
+from hetsynth.instruction_set.cluster import ClusterSpec, load_cluster
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.plan import Plan, load_plan, save_plan
 
 __version__ = "0.1.0"
 
@@ -29,8 +29,8 @@ def capture_model(model: str | nn.Module, example_inputs: Sequence[torch.Tensor]
     """Capture a model reference (`gpt:tiny`) or a module with its example inputs. A module's
     graph names it by `model_ref` (a reference that builds it, e.g. `net.py:make`, so that
     `hetsynth run` can), or else by its class name."""
-    from instruction_set.models import parse_model_ref
-    from planner.capture import capture, capture_spec
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.capture import capture, capture_spec
 
     if isinstance(model, str) and model_ref is not None:
         raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
@@ -70,12 +70,12 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     rates (a kind without the type asked for is a ValueError naming it). `cache`: return the plan
     cached for the same inputs and cache a new one (hetsynth.plan_cache; a model reference is
     looked up before capture, a module after it; never with `measure_ops`)."""
-    from cost_models.precision import costed
-    from instruction_set.mixed_precision import choose_policy
-    from instruction_set.models import parse_model_ref, with_overrides
-    from planner.feasibility import check_memory_lower_bound
-    from planner.planner import DP_SEED, make_plan
-    from planner.problem import Restrictions
+    from hetsynth.cost_models.precision import costed
+    from hetsynth.instruction_set.mixed_precision import choose_policy
+    from hetsynth.instruction_set.models import parse_model_ref, with_overrides
+    from hetsynth.planner.feasibility import check_memory_lower_bound
+    from hetsynth.planner.planner import DP_SEED, make_plan
+    from hetsynth.planner.problem import Restrictions
 
     if cluster is None:
         raise ValueError("plan() needs a cluster (a ClusterSpec or a spec file path)")
@@ -119,7 +119,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         if measure_ops:
             if any(t.is_meta for t in example_inputs):
                 raise ValueError("measure_ops needs real example inputs (not on the meta device)")
-            from profiling.measured import measured
+            from hetsynth.profiling.measured import measured
 
             graph = measured(graph, model, example_inputs)
     restrictions = DP_SEED if data_parallel else None
@@ -146,8 +146,8 @@ ZERO_CHOICES = ("auto", "0", "1", "2", "3")
 
 def _forced_zero(plan: Plan, stage: int) -> Plan:
     """Every parameter that can be at ZeRO stage `stage` put there (planner.planner.with_zero)."""
-    from instruction_set.training_state import TrainingState
-    from planner.planner import with_zero
+    from hetsynth.instruction_set.training_state import TrainingState
+    from hetsynth.planner.planner import with_zero
 
     state = (TrainingState.ZERO1, TrainingState.ZERO2, TrainingState.ZERO3)[stage - 1]
     forced = with_zero(plan, None, state)
@@ -164,7 +164,7 @@ def capture_measured(ref: str, *, allow_replicate_fallback: bool = False,
     its own initialisation and first batch (profiling.op_profile; `hetsynth plan --measure-ops`).
     With a `cluster` that is emulated here, the model is also timed on its devices
     (profiling.model_timing) and the graph records each device kind's factor."""
-    from profiling.measured import capture_measured as measured_graph
+    from hetsynth.profiling.measured import capture_measured as measured_graph
 
     return measured_graph(ref, allow_replicate_fallback=allow_replicate_fallback, cluster=cluster)
 

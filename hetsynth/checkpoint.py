@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from instruction_set.files import atomic_file
-from runtime.dcp import load, load_extra, read_model, save
+from hetsynth.instruction_set.files import atomic_file
+from hetsynth.runtime.dcp import load, load_extra, read_model, save
 
 EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime.outputs import check_outputs
+from hetsynth.runtime.outputs import check_outputs
 
 
 def checkpoint_args(p: argparse.ArgumentParser) -> None:

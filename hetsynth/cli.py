@@ -34,16 +34,15 @@ class _Stderr(logging.Handler):
 def show_progress() -> None:
     """Library code logs what takes long (planning rounds, search progress) at INFO; the CLI
     prints those lines on stderr."""
-    for name in ("planner", "runtime", "profiling", "hetsynth"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(h, _Stderr) for h in logger.handlers):
-            logger.addHandler(_Stderr())
-        logger.setLevel(logging.INFO)
+    logger = logging.getLogger("hetsynth")  # every module of the project logs below it
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
+    logger.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.emulation import EmulationError
-    from runtime.launch import RunFailed
+    from hetsynth.runtime.emulation import EmulationError
+    from hetsynth.runtime.launch import RunFailed
 
     args = build_parser().parse_args(argv)
     show_progress()
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 def remove_dead_runs() -> None:
     """What runs killed before they could clean up left behind (runtime.runstate), removed
     before every command; a note says what."""
-    from runtime.runstate import remove_dead_runs as remove
+    from hetsynth.runtime.runstate import remove_dead_runs as remove
 
     try:
         for line in remove():

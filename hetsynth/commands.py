@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 from hetsynth import capture_model, plan_cache
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
-from runtime.config import add_train_arguments, train_config
-from runtime.outputs import check_outputs, model_file
+from hetsynth.runtime.config import add_train_arguments, train_config
+from hetsynth.runtime.outputs import check_outputs, model_file
 
 if TYPE_CHECKING:
-    from instruction_set.plan import Plan
-    from runtime.launch import RunResult
+    from hetsynth.instruction_set.plan import Plan
+    from hetsynth.runtime.launch import RunResult
 
 
 def _print_json(data: object) -> None:
@@ -33,8 +33,8 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def inspect_run(args: argparse.Namespace) -> int:
-    from instruction_set.cluster import load_cluster
-    from planner.capture import summarize
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.capture import summarize
 
     if not args.model and not args.cluster:
         raise ValueError("inspect needs --model REF and/or --cluster FILE")
@@ -109,14 +109,14 @@ def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
     if plan.predicted.fits:
         return None
     if args.precision != "fp32":  # pipeline stages are planned in float32 only
-        from planner.feasibility import PlanInfeasible
-        from planner.planner import shortfall_message
+        from hetsynth.planner.feasibility import PlanInfeasible
+        from hetsynth.planner.planner import shortfall_message
 
         raise PlanInfeasible(f"{shortfall_message(plan)}. With --precision {args.precision} no pipeline is tried "
                              f"(pipeline stages are planned in float32 only)")
     if args.zero not in ("auto", "0"):  # the pipeline runtime keeps training state whole
-        from planner.feasibility import PlanInfeasible
-        from planner.planner import shortfall_message
+        from hetsynth.planner.feasibility import PlanInfeasible
+        from hetsynth.planner.planner import shortfall_message
 
         raise PlanInfeasible(f"{shortfall_message(plan)}. With --zero {args.zero} no pipeline is tried (the pipeline "
                              f"runtime keeps every stage's training state whole); use --zero auto")
@@ -126,12 +126,12 @@ def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
 
 def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) -> "Plan":
     """The plan with the pipeline of `stages` considered; PlanInfeasible when neither shape fits."""
-    from instruction_set.models import parse_model_ref
-    from instruction_set.plan import PlanShape
-    from instruction_set.schedule import Schedule
-    from planner.feasibility import PlanInfeasible
-    from planner.pipeline import auto_stages, plan_stages, stage_memory
-    from planner.planner import shortfall_message
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.instruction_set.plan import PlanShape
+    from hetsynth.instruction_set.schedule import Schedule
+    from hetsynth.planner.feasibility import PlanInfeasible
+    from hetsynth.planner.pipeline import auto_stages, plan_stages, stage_memory
+    from hetsynth.planner.planner import shortfall_message
 
     if stages is None:
         return plan
@@ -142,7 +142,7 @@ def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) 
     spec = parse_model_ref(plan.model.ref)
     measure = None
     if args.measure_ops:  # each micro-batch size's ops timed too (planner.microbatch)
-        from profiling.measured import measure_at
+        from hetsynth.profiling.measured import measure_at
 
         measure = measure_at(plan.model.ref, plan.graph)
     out = (auto_stages(plan, spec, num_micro=args.micro_batches, schedule=schedule, measure=measure)
@@ -158,7 +158,7 @@ def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) 
 
 
 def pipeline_summary(plan: "Plan") -> str:
-    from planner.pipeline import stage_memory
+    from hetsynth.planner.pipeline import stage_memory
 
     p = plan.pipeline
     stages = "; ".join(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]}, calls {s.calls[0]}-{s.calls[1] - 1}"
@@ -265,10 +265,10 @@ def run_args(p: argparse.ArgumentParser) -> None:
 
 def run_run(args: argparse.Namespace) -> int:
     import hetsynth
-    from instruction_set.plan import load_plan
+    from hetsynth.instruction_set.plan import load_plan
     from hetsynth.view_commands import raw_trace_dir, trace_outputs, write_run_trace
-    from planner.model_check import check_model_unchanged
-    from runtime.launch import RunOptions, preflight, run, runs_here
+    from hetsynth.planner.model_check import check_model_unchanged
+    from hetsynth.runtime.launch import RunOptions, preflight, run, runs_here
 
     plan, path = load_plan(args.plan), args.plan
     if args.model is None:
@@ -303,7 +303,7 @@ def run_run(args: argparse.Namespace) -> int:
 def check_model_resolves(plan: "Plan") -> None:
     """ValueError, before any rank starts, when the plan's model is a module's class name (a
     plan made by hetsynth.plan(module, ...)) rather than a model reference the ranks can build."""
-    from instruction_set.models import ModelRefError, parse_model_ref
+    from hetsynth.instruction_set.models import ModelRefError, parse_model_ref
 
     try:
         parse_model_ref(plan.model.ref)
@@ -319,9 +319,9 @@ def with_model_ref(plan: "Plan", ref: str) -> "Plan":
     """`plan` with its model reference replaced by `ref` (run --model), which must capture to
     the graph the plan was made for (planner.model_check: ModelChangedError naming the first
     difference otherwise)."""
-    from instruction_set.models import parse_model_ref
-    from planner.capture import capture_spec
-    from planner.model_check import ModelChangedError, first_difference
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.capture import capture_spec
+    from hetsynth.planner.model_check import ModelChangedError, first_difference
 
     graph = capture_spec(parse_model_ref(ref), allow_replicate_fallback=bool(plan.graph.fallback_ops))
     if graph.fingerprint != plan.model.fingerprint:
@@ -361,8 +361,8 @@ def launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def launch_run(args: argparse.Namespace) -> int:
-    from instruction_set.plan import load_plan
-    from runtime.launch import run_script
+    from hetsynth.instruction_set.plan import load_plan
+    from hetsynth.runtime.launch import run_script
 
     script = Path(args.script)
     if not script.is_file():
@@ -383,7 +383,7 @@ def explain_args(p: argparse.ArgumentParser) -> None:
 
 
 def explain_run(args: argparse.Namespace) -> int:
-    from instruction_set.plan import load_plan
+    from hetsynth.instruction_set.plan import load_plan
     from hetsynth.explain import explain
     from hetsynth.explain_pipeline import explain_pipeline
 
@@ -405,15 +405,15 @@ def profile_args(p: argparse.ArgumentParser) -> None:
 def profile_run(args: argparse.Namespace) -> int:
     import os
 
-    from instruction_set.cluster import load_cluster
-    from instruction_set.matmul_rates import Dtype
-    from profiling.matmul_dtypes import unsupported_claims
-    from runtime.launch import launch_checked
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.instruction_set.matmul_rates import Dtype
+    from hetsynth.profiling.matmul_dtypes import unsupported_claims
+    from hetsynth.runtime.launch import launch_checked
 
     cluster = load_cluster(args.cluster)
     outputs = check_outputs({"-o": args.output, "--records": args.records}, inputs={"--cluster": args.cluster})
     output = str(outputs["-o"])
-    launch_checked(cluster, ["-m", "profiling.profile_worker", "--cluster", os.path.abspath(args.cluster),
+    launch_checked(cluster, ["-m", "hetsynth.profiling.profile_worker", "--cluster", os.path.abspath(args.cluster),
                              "--output", output, "--seconds", str(args.seconds), "--reps", str(args.reps),
                              "--max-bytes", str(args.max_bytes),
                              *(["--records", os.path.abspath(args.records)] if args.records else [])],
@@ -457,7 +457,7 @@ def cleanup_args(p: argparse.ArgumentParser) -> None:
 
 
 def cleanup_run(args: argparse.Namespace) -> int:
-    from runtime import emulation, runstate
+    from hetsynth.runtime import emulation, runstate
 
     removed = runstate.remove_dead_runs()
     if args.unrecorded and emulation.unavailable() is None:

@@ -23,9 +23,9 @@ import os
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-from instruction_set.plan import Plan
-from runtime.data_loader import Collate, RankLoader, input_specs, rank_loader
-from runtime.input_rows import input_rows
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.runtime.data_loader import Collate, RankLoader, input_specs, rank_loader
+from hetsynth.runtime.input_rows import input_rows
 
 
 def loader(dataset: Dataset, plan: Plan, *, shuffle: bool = False, seed: int = 0, collate_fn: Collate | None = None,

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text, plan_summary_text
-from instruction_set.cluster import ClusterSpec, load_cluster
-from instruction_set.files import write_atomic
-from instruction_set.plan import Plan, save_plan
+from hetsynth.instruction_set.cluster import ClusterSpec, load_cluster
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.plan import Plan, save_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "bench" / "results" / "local-emulated-measured.toml"
@@ -56,9 +56,9 @@ def demo_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, str]:
 
 def make_plans(model: str, cluster: ClusterSpec) -> dict[str, Plan]:
     from hetsynth import capture_measured
-    from planner import baselines
-    from planner.capture import summarize
-    from planner.planner import make_plan
+    from hetsynth.planner import baselines
+    from hetsynth.planner.capture import summarize
+    from hetsynth.planner.planner import make_plan
 
     start = time.perf_counter()
     graph = capture_measured(model, cluster=cluster)
@@ -76,15 +76,15 @@ TRAINED = ("hetsynth", "DP-EV")  # DP-CP's plan only gives DDP-CP its rows
 
 def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: argparse.Namespace,
             raw: Path) -> dict:
-    from runtime.launch import launch_checked
-    from runtime.plan_handoff import plan_digests
+    from hetsynth.runtime.launch import launch_checked
+    from hetsynth.runtime.plan_handoff import plan_digests
 
     paths = {}
     for name, plan in plans.items():
         paths[name] = str(workdir / f"{name}.json")
         save_plan(plan, paths[name])
     report = workdir / "compare.json"
-    launch_checked(cluster, ["-m", "runtime.compare", "--plans", *(paths[n] for n in TRAINED), "--names", *TRAINED,
+    launch_checked(cluster, ["-m", "hetsynth.runtime.compare", "--plans", *(paths[n] for n in TRAINED), "--names", *TRAINED,
                              "--ddp", f"DDP-EV=mean:{paths['DP-EV']}", f"DDP-CP=weighted:{paths['DP-CP']}",
                              "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                              "--steps", "2", "--report", str(report), "--traced", "hetsynth",
@@ -94,9 +94,9 @@ def compare(cluster: ClusterSpec, plans: dict[str, Plan], workdir: Path, args: a
 
 def parity(model: str, measured: dict, tolerance: float) -> bool:
     """Every plan's global loss per step against single-device training."""
-    from instruction_set.models import parse_model_ref
-    from runtime.config import TrainConfig
-    from runtime.train import reference_training
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.runtime.config import TrainConfig
+    from hetsynth.runtime.train import reference_training
 
     steps = max(len(m["losses"]) for name, m in measured.items() if name != "traced")
     spec = parse_model_ref(model)
@@ -114,7 +114,7 @@ def parity(model: str, measured: dict, tolerance: float) -> bool:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from runtime import emulation
+    from hetsynth.runtime import emulation
 
     outputs = demo_outputs(args.out, args)
     cluster, source = demo_cluster(args)
@@ -127,7 +127,7 @@ def run_demo(args: argparse.Namespace) -> int:
     plans = make_plans(args.model, cluster)
     print(plan_summary_text(plans["hetsynth"]))
     _section("run: hetsynth's plan, DP-EV, torch DDP-EV and DDP-CP, interleaved on the same workers")
-    from runtime.launch import recorded_run
+    from hetsynth.runtime.launch import recorded_run
 
     with recorded_run() as (_, tmp):  # removed by the next command even if the demo is killed
         raw = tmp / "trace"
@@ -151,7 +151,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def demo_outputs(out: str, args: argparse.Namespace) -> dict[str, Path]:
     """The files the demo writes into `out` (created), checked before any work (none may be
     the cluster spec or the model file it reads)."""
-    from runtime.outputs import check_outputs, model_file
+    from hetsynth.runtime.outputs import check_outputs, model_file
 
     Path(out).mkdir(parents=True, exist_ok=True)
     names = {"plan": "plan.json", "predicted": "predicted.json", "measured": "measured.json",

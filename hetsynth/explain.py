@@ -8,10 +8,10 @@ the rank's shard table: every split tensor's local shape and where its slice sta
 from __future__ import annotations
 
 from hetsynth.report import table
-from instruction_set.plan import Plan, PlanError
-from instruction_set.shards import MeshLayout
-from runtime.codegen import build_rank_program, local_shape
-from runtime.groups import Groups
+from hetsynth.instruction_set.plan import Plan, PlanError
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.runtime.codegen import build_rank_program, local_shape
+from hetsynth.runtime.groups import Groups
 
 
 def shard_rows(plan: Plan, rank: int) -> list[list[str]]:

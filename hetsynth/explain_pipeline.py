@@ -4,11 +4,11 @@ transfers this rank takes part in, and its action list."""
 
 from __future__ import annotations
 
-from instruction_set.pipeline import Pipeline
-from instruction_set.plan import Plan, PlanError
-from runtime.codegen import build_rank_program
-from runtime.groups import Groups
-from runtime.pipeline.trainer import _outputs, stage_mesh
+from hetsynth.instruction_set.pipeline import Pipeline
+from hetsynth.instruction_set.plan import Plan, PlanError
+from hetsynth.runtime.codegen import build_rank_program
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.pipeline.trainer import _outputs, stage_mesh
 
 
 def _transfers(pipeline: Pipeline, rank: int) -> list[str]:

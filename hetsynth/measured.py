@@ -26,8 +26,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from instruction_set.files import write_atomic
-from instruction_set.plan import Plan
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.plan import Plan
 from hetsynth.trace import (COMMUNICATION, COMPUTE, PHASES, complete, instruction_name, lane_of,
                             plan_digest, predicted_step, process_events, trace_document)
 

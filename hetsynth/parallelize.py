@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from instruction_set.plan import Plan, PlanShape, load_plan
-from instruction_set.precision import with_float_dtype
-from runtime.groups import Groups
-from runtime.parallel import ParallelModule
-from runtime.rank import rank_device
-from runtime.train import check_state
+from hetsynth.instruction_set.plan import Plan, PlanShape, load_plan
+from hetsynth.instruction_set.precision import with_float_dtype
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.parallel import ParallelModule
+from hetsynth.runtime.rank import rank_device
+from hetsynth.runtime.train import check_state
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -72,7 +72,7 @@ def parallelize(module: nn.Module, plan: Plan | str | Path, *, timeout_s: float 
     _check_same_values(state, rank)
     keys = _state_keys(module, plan)
     if plan.shape is PlanShape.PIPELINE:
-        from runtime.pipeline.module import PipelineModule
+        from hetsynth.runtime.pipeline.module import PipelineModule
 
         return PipelineModule(plan, rank, state, keys, device, dtype=dtype, world=dist.group.WORLD)
     groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
@@ -118,8 +118,8 @@ def _verdict(module: nn.Module, plan: Plan, rank: int, check_graph: bool) -> str
     """Rank 0's graph comparison: '' when the module captures to the plan's graph."""
     if rank != 0 or not check_graph:
         return ""
-    from planner.capture import capture
-    from planner.model_check import first_difference
+    from hetsynth.planner.capture import capture
+    from hetsynth.planner.model_check import first_difference
 
     inputs = [torch.zeros(n.out.shape, dtype=getattr(torch, n.out.dtype)) for n in plan.graph.nodes if n.op == "input"]
     try:

@@ -56,10 +56,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import ReferenceGraph
-from instruction_set.plan import Plan, plan_from_json
-from runtime.runstate import _untrusted, read_own, write_replacing
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.plan import Plan, plan_from_json
+from hetsynth.runtime.runstate import _untrusted, read_own, write_replacing
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ CLI_OPTIONS = ("batch_size", "devices", "ratios", "allow_replicate_fallback", "d
 def cli_key(args: Any) -> CacheKey | None:
     """The key of `hetsynth plan` with these arguments; None when the plan is not cached
     (--no-cache, or --measure-ops: measured op times)."""
-    from instruction_set.cluster import load_cluster
+    from hetsynth.instruction_set.cluster import load_cluster
 
     if args.no_cache or args.measure_ops:
         return None

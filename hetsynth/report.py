@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from cost_models.memory import OPTIMIZER_COPIES
-from instruction_set.blocks import recompute_units, recomputed_units
-from instruction_set.cluster import ClusterSpec
-from instruction_set.layouts import R, S
-from instruction_set.plan import Plan
-from instruction_set.sync import ONE_BUCKET
-from instruction_set.training_state import TrainingState
+from hetsynth.cost_models.memory import OPTIMIZER_COPIES
+from hetsynth.instruction_set.blocks import recompute_units, recomputed_units
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.layouts import R, S
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.sync import ONE_BUCKET
+from hetsynth.instruction_set.training_state import TrainingState
 
 
 def si(value: float, unit: str = "") -> str:

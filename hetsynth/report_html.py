@@ -31,7 +31,7 @@ from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, PHASES, WAIT, 
 from hetsynth.html_parts import LABEL, ROW, STYLE, WIDTH, table
 from hetsynth.html_parts import ms as _ms
 from hetsynth.report_pipeline import pipeline_section
-from instruction_set.plan import Plan, PlanShape
+from hetsynth.instruction_set.plan import Plan, PlanShape
 
 COLOURS = {COMPUTE: "#3b7dd8", COMMUNICATION: "#e8862a", WAIT: "#cfcfcf", GRADIENT_SYNC: "#2a9d6f"}
 MAX_ROWS = 16  # devices drawn in a timeline

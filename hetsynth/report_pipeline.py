@@ -17,8 +17,8 @@ from typing import Any
 from hetsynth.html_parts import LABEL, ROW, WIDTH, table
 from hetsynth.html_parts import ms as _ms
 from hetsynth.trace import COMMUNICATION, COMPUTE, LANES, complete, trace_document
-from instruction_set.pipeline import Pipeline, PipelineStage, PredictedEvent
-from instruction_set.plan import Plan
+from hetsynth.instruction_set.pipeline import Pipeline, PipelineStage, PredictedEvent
+from hetsynth.instruction_set.plan import Plan
 
 COLOURS = {"F": "#3b7dd8", "B": "#1f4e99", "SYNC": "#2a9d6f", "XFER_F": "#e8862a", "XFER_B": "#b8621a"}
 WORDS = {"F": "forward", "B": "backward", "SYNC": "gradient sync", "XFER_F": "send activation",
@@ -37,7 +37,7 @@ def _mean(events: list[PredictedEvent], stage: int, kind: str) -> str:
 
 
 def _stage_rows(plan: Plan, pipeline: Pipeline) -> list[list[str]]:
-    from planner.pipeline import stage_memory
+    from hetsynth.planner.pipeline import stage_memory
 
     events, devices, rows = list(pipeline.predicted.timeline), plan.cluster.devices, []
     for s, (peak, cap, n) in zip(pipeline.stages, stage_memory(plan)):

@@ -38,11 +38,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cost_models.terms import Cost, Form, Series, busy, exposed, seconds
-from instruction_set.kinds import Category
-from instruction_set.plan import Plan, PlanError
-from instruction_set.program import FUSED_MATMULS, Instruction
-from instruction_set.training_state import TrainingState
+from hetsynth.cost_models.terms import Cost, Form, Series, busy, exposed, seconds
+from hetsynth.instruction_set.kinds import Category
+from hetsynth.instruction_set.plan import Plan, PlanError
+from hetsynth.instruction_set.program import FUSED_MATMULS, Instruction
+from hetsynth.instruction_set.training_state import TrainingState
 
 COMPUTE, COMMUNICATION, WAIT, PHASES, GRADIENT_SYNC = 1, 2, 3, 4, 5
 LANES = {COMPUTE: "compute", COMMUNICATION: "communication", WAIT: "wait", PHASES: "step phases",
@@ -152,9 +152,9 @@ def predicted_instructions(plan: Plan) -> list[InstructionTimes]:
 
 def predicted_step(plan: Plan) -> PredictedStep:
     """The plan's step laid out as the cost model sees it; checked against its prediction."""
-    from planner.evaluate import first_input_layouts, instruction_term
-    from planner.problem import plan_problem
-    from planner.step_cost import backward_share, forward_share, is_bucketed, scalar_terms, state_gather_terms
+    from hetsynth.planner.evaluate import first_input_layouts, instruction_term
+    from hetsynth.planner.problem import plan_problem
+    from hetsynth.planner.step_cost import backward_share, forward_share, is_bucketed, scalar_terms, state_gather_terms
 
     pb = plan_problem(plan)
     expand, x_layouts, times = pb.devices.expand, first_input_layouts(plan.instructions), {}
@@ -206,7 +206,7 @@ def predicted_step(plan: Plan) -> PredictedStep:
 def _zero3_times(plan: Plan, pb: Any) -> dict[int, tuple[InstructionTimes, InstructionTimes]]:
     """Each ZeRO-3 parameter's gathers at its uses (forward) and regathers with reduce-scatters
     (backward), at the param instruction's place (planner.step_cost.zero3_all_forms)."""
-    from planner.step_cost import zero3_all_forms
+    from hetsynth.planner.step_cost import zero3_all_forms
 
     forms, out = zero3_all_forms(pb, plan.instructions), {}
     for index, ins in enumerate(plan.instructions):
@@ -236,7 +236,7 @@ def _place(items: list[tuple[InstructionTimes, float]], start_s: float) -> tuple
 def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
     """The buckets' all-reduces: bucket b is ready when the backward has passed its parameters'
     first use (done[p_b]) and starts when the bucket before it has ended."""
-    from planner.step_cost import bucket_sync, ready_indices
+    from hetsynth.planner.step_cost import bucket_sync, ready_indices
 
     buckets = plan.buckets()
     out, end = [], 0.0
@@ -252,7 +252,7 @@ def _buckets(plan: Plan, pb: Any, done: dict[int, float]) -> list[Bucket]:
 def _transfer_cpu_times(plan: Plan, pb: Any) -> list[InstructionTimes]:
     """The compute each bucket's transfer takes from each device (planner.step_cost.TransferCpu),
     laid after the backward's compute as the cost model's whole-backward branch adds it."""
-    from planner.step_cost import transfer_losses
+    from hetsynth.planner.step_cost import transfer_losses
 
     out = []
     for n, lost in enumerate(transfer_losses(pb, plan.buckets())):

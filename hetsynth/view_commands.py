@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from instruction_set.files import write_atomic
-from runtime.outputs import check_outputs
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.runtime.outputs import check_outputs
 
 
 def trace_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def trace_args(p: argparse.ArgumentParser) -> None:
 
 def trace_run(args: argparse.Namespace) -> int:
     from hetsynth.trace import predicted_trace
-    from instruction_set.plan import PlanShape, load_plan
+    from hetsynth.instruction_set.plan import PlanShape, load_plan
 
     output = check_outputs({"-o": args.output}, inputs={"PLAN": args.plan})["-o"]
     plan = load_plan(args.plan)
@@ -58,7 +58,7 @@ def report_args(p: argparse.ArgumentParser) -> None:
 def report_run(args: argparse.Namespace) -> int:
     from hetsynth.measured import comparison, load_measured
     from hetsynth.report_html import report_html
-    from instruction_set.plan import PlanShape, load_plan
+    from hetsynth.instruction_set.plan import PlanShape, load_plan
 
     output = check_outputs({"-o": args.output}, inputs={"PLAN": args.plan, "--measured": args.measured})["-o"]
     plan = load_plan(args.plan)

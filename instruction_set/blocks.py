@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from instruction_set.graph import Node, ReferenceGraph
-from instruction_set.kinds import Category, Phase
-from instruction_set.layouts import Layout
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.program import Instruction
-from instruction_set.rules.state import BUFFER_UPDATE
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.kinds import Category, Phase
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.rules.state import BUFFER_UPDATE
 
 
 @dataclass(frozen=True)

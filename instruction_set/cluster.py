@@ -42,9 +42,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from instruction_set.calibration import Calibration
-from instruction_set.matmul_rates import HALF_DTYPES, Dtype, MatmulRates
-from instruction_set.units import Flops, GByteS, GiB, Gbps, Micros
+from hetsynth.instruction_set.calibration import Calibration
+from hetsynth.instruction_set.matmul_rates import HALF_DTYPES, Dtype, MatmulRates
+from hetsynth.instruction_set.units import Flops, GByteS, GiB, Gbps, Micros
 
 
 class ClusterSpecError(ValueError):

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from instruction_set.args import decode_arg
-from instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.args import decode_arg
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
 
 
 def resolve_target(target: str) -> Any:

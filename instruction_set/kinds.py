@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Callable, Generic, Iterable, TypeVar
 
-from instruction_set.layouts import PlacementKind
-from instruction_set.mesh import MeshAxis
+from hetsynth.instruction_set.layouts import PlacementKind
+from hetsynth.instruction_set.mesh import MeshAxis
 
 F = TypeVar("F")
 

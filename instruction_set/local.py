@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from instruction_set.args import decode_arg
-from instruction_set.graph import Node
-from instruction_set.interpret import resolve_target, run_target
-from instruction_set.rules import SHAPE_ARG
-from instruction_set.rules.conv import PLANE_OPS
+from hetsynth.instruction_set.args import decode_arg
+from hetsynth.instruction_set.graph import Node
+from hetsynth.instruction_set.interpret import resolve_target, run_target
+from hetsynth.instruction_set.rules import SHAPE_ARG
+from hetsynth.instruction_set.rules.conv import PLANE_OPS
 
 
 class Builder(Protocol):

@@ -15,7 +15,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
-from instruction_set.units import Flops
+from hetsynth.instruction_set.units import Flops
 
 
 class Dtype(StrEnum):

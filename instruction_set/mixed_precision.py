@@ -24,8 +24,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from instruction_set.cluster import ClusterSpec, DeviceKind
-from instruction_set.matmul_rates import Dtype
+from hetsynth.instruction_set.cluster import ClusterSpec, DeviceKind
+from hetsynth.instruction_set.matmul_rates import Dtype
 
 
 class Precision(StrEnum):

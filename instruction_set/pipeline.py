@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from instruction_set.layouts import LayoutField
-from instruction_set.resharding import ReshardPlan
-from instruction_set.schedule import Action, Link, Schedule, check_actions
+from hetsynth.instruction_set.layouts import LayoutField
+from hetsynth.instruction_set.resharding import ReshardPlan
+from hetsynth.instruction_set.schedule import Action, Link, Schedule, check_actions
 
 
 class _Frozen(BaseModel):

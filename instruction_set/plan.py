@@ -23,18 +23,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.files import write_atomic
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import Layout
-from instruction_set.mesh import Mesh
-from instruction_set.mixed_precision import PrecisionPolicy, choose_policy
-from instruction_set.pipeline import Pipeline, PipelineStage
-from instruction_set.plan_checks import PlanParts, ShardTable, check_plan
-from instruction_set.program import Instruction
-from instruction_set.shards import MeshLayout
-from instruction_set.training_state import StateShards, TrainingState, check_state_shards, check_states
-from instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets, check_buckets
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.mixed_precision import PrecisionPolicy, choose_policy
+from hetsynth.instruction_set.pipeline import Pipeline, PipelineStage
+from hetsynth.instruction_set.plan_checks import PlanParts, ShardTable, check_plan
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.instruction_set.training_state import StateShards, TrainingState, check_state_shards, check_states
+from hetsynth.instruction_set.sync import DEFAULT_BUCKET_CAP_BYTES, GradBucket, GradientSync, assign_buckets, check_buckets
 
 log = logging.getLogger(__name__)
 

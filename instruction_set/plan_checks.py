@@ -27,11 +27,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import Layout, LayoutField
-from instruction_set.mesh import Mesh
-from instruction_set.program import Instruction
-from instruction_set.shards import Rounding
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import Layout, LayoutField
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.shards import Rounding
 
 ShardTable = dict[str, dict[LayoutField, dict[int, tuple[int, ...]]]]  # tensor -> layout -> dim -> lengths
 

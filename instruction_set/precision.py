@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.plan import Plan
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.plan import Plan
 
 log = logging.getLogger(__name__)
 

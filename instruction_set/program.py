@@ -31,11 +31,11 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from instruction_set.kinds import Category, Phase, known_kind, kinds
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.layouts import LayoutField
-from instruction_set.mesh import MeshAxis
-from instruction_set.training_state import TrainingState
+from hetsynth.instruction_set.kinds import Category, Phase, known_kind, kinds
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.layouts import LayoutField
+from hetsynth.instruction_set.mesh import MeshAxis
+from hetsynth.instruction_set.training_state import TrainingState
 
 Kind = Annotated[str, AfterValidator(known_kind)]  # a registered kind (instruction_set.kinds)
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, NamedTuple, Sequence
 
-from instruction_set.layouts import P, PMAX, Layout
-from instruction_set.mesh import Mesh
-from instruction_set.resharding import Box, ReshardError, ReshardSpec, TensorSide
-from instruction_set.shards import MeshLayout
+from hetsynth.instruction_set.layouts import P, PMAX, Layout
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.resharding import Box, ReshardError, ReshardSpec, TensorSide
+from hetsynth.instruction_set.shards import MeshLayout
 
 
 class Placed(NamedTuple):

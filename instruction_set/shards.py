@@ -37,8 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from instruction_set.layouts import Layout
-from instruction_set.mesh import Mesh
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.mesh import Mesh
 
 DimKey = tuple[str, int]  # (tensor name, dim)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
 
 STAGE_LOSS = "stage_loss"
 

@@ -39,10 +39,10 @@ from typing import Mapping, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import Layout
-from instruction_set.program import Instruction
-from instruction_set.training_state import TrainingState
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.training_state import TrainingState
 
 DEFAULT_BUCKET_CAP_BYTES = 2**20  # torch DDP's first bucket (kDefaultFirstBucketBytes)
 # asynchronous collectives ("stages", runtime.grad_sync) one bucket's all-reduce issues, per variant

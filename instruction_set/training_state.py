@@ -29,8 +29,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.shards import largest_remainder
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.shards import largest_remainder
 
 
 class TrainingState(StrEnum):

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cost_models.memory import GIB
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import R, Layout, Replicate, S, Shard
-from instruction_set.mesh import Mesh
-from instruction_set.plan import BaselineResult
-from instruction_set.program import Instruction
-from planner.problem import Problem, Restrictions, StorageClass
-from planner.step_cost import predict_program
-from planner.synthesis import synthesize
+from hetsynth.cost_models.memory import GIB
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import R, Layout, Replicate, S, Shard
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.plan import BaselineResult
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.planner.problem import Problem, Restrictions, StorageClass
+from hetsynth.planner.step_cost import predict_program
+from hetsynth.planner.synthesis import synthesize
 
 DP = Restrictions(param_layouts=frozenset({StorageClass.REPLICATED}), input_layout=S(0), two_level=False, allow_sfb=False,
                   batch_split_only=True)

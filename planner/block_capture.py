@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-from instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
 
 # Three traces cost 3 o + 9 b against o + N b for the whole model (o: an export's fixed cost,
 # b: a block's); on the Llama-8B shape o ~ 0.6 s and b ~ 0.25 s of CPU, so it pays from N ~ 14.

@@ -19,8 +19,8 @@ from __future__ import annotations
 import bisect
 import sys
 
-from instruction_set.layouts import Layout
-from planner.problem import Problem
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.planner.problem import Problem
 
 INF = float("inf")
 

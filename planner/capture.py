@@ -42,15 +42,15 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from instruction_set.args import decode_arg, encode_arg, refs_in
-from instruction_set.graph import Node, ReferenceGraph, TensorMeta
-from instruction_set.interpret import RUN_AS
-from instruction_set.models import ModelSpec
-from instruction_set.rules import is_supported
-from instruction_set.rules.moe import flop_formulas
-from planner.block_capture import NotReplicable, by_blocks, repeated_list, truncated
-from planner.lower import Lowered, LoweringError, lower, place
-from planner.saved_tensors import with_saved
+from hetsynth.instruction_set.args import decode_arg, encode_arg, refs_in
+from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from hetsynth.instruction_set.interpret import RUN_AS
+from hetsynth.instruction_set.models import ModelSpec
+from hetsynth.instruction_set.rules import is_supported
+from hetsynth.instruction_set.rules.moe import flop_formulas
+from hetsynth.planner.block_capture import NotReplicable, by_blocks, repeated_list, truncated
+from hetsynth.planner.lower import Lowered, LoweringError, lower, place
+from hetsynth.planner.saved_tensors import with_saved
 
 META = torch.device("meta")
 log = logging.getLogger(__name__)

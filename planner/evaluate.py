@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from cost_models.memory import GIB, activation_memory, param_memory, zero_memory
-from cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
-from instruction_set.kinds import Category, Implementations, Phase
-from instruction_set.layouts import Layout
-from instruction_set.plan import DevicePrediction, Prediction
-from instruction_set.program import COLLECTIVES, Instruction
-from instruction_set.training_state import SHARDED_STATES, TrainingState
-from planner.problem import Problem
-from planner.sfb import sfb_cost
+from hetsynth.cost_models.memory import GIB, activation_memory, param_memory, zero_memory
+from hetsynth.cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
+from hetsynth.instruction_set.kinds import Category, Implementations, Phase
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.plan import DevicePrediction, Prediction
+from hetsynth.instruction_set.program import COLLECTIVES, Instruction
+from hetsynth.instruction_set.training_state import SHARDED_STATES, TrainingState
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.sfb import sfb_cost
 
 
 def share_kind(layouts: Sequence[Layout]) -> ShareKind:

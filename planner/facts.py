@@ -17,9 +17,9 @@ each node's inputs, are kept per node as ids are handed out.
 
 from __future__ import annotations
 
-from instruction_set.layouts import R, Layout
-from planner.problem import Problem
-from planner.transitions import Fact
+from hetsynth.instruction_set.layouts import R, Layout
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.transitions import Fact
 
 
 class FactTable:

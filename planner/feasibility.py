@@ -26,10 +26,10 @@ reports with the device that is short and what it tried (planner.planner).
 
 from __future__ import annotations
 
-from cost_models.memory import GIB, OPTIMIZER_COPIES
-from instruction_set.blocks import block_of
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import Node, ReferenceGraph
+from hetsynth.cost_models.memory import GIB, OPTIMIZER_COPIES
+from hetsynth.instruction_set.blocks import block_of
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
 
 
 def gib(x: float) -> str:

@@ -27,15 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.fused import Ring, form, ring_cost, sliced_cost
-from cost_models.memory import activation_memory
-from cost_models.terms import Cost, Series, Shares, Term, seconds
-from instruction_set.kinds import Category, fused_slices, kind as instruction_kind
-from instruction_set.layouts import Layout
-from instruction_set.mesh import MeshAxis
-from instruction_set.program import FUSED_MATMULS, Instruction
-from planner.evaluate import TERMS, _rule_index, instruction_term, share_kind
-from planner.problem import Problem
+from hetsynth.cost_models.fused import Ring, form, ring_cost, sliced_cost
+from hetsynth.cost_models.memory import activation_memory
+from hetsynth.cost_models.terms import Cost, Series, Shares, Term, seconds
+from hetsynth.instruction_set.kinds import Category, fused_slices, kind as instruction_kind
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.mesh import MeshAxis
+from hetsynth.instruction_set.program import FUSED_MATMULS, Instruction
+from hetsynth.planner.evaluate import TERMS, _rule_index, instruction_term, share_kind
+from hetsynth.planner.problem import Problem
 
 FUSABLE = ("aten.linear.default",)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
 
 SHAPE_OPS = frozenset({"aten.expand.default", "aten.view.default", "aten.reshape.default",
                        "aten._unsafe_view.default"})  # (tensor, shape): identity when shapes agree

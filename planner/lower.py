@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from planner.decompose import decompose_cross_entropy, strip_noops
-from planner.decompose_local import decompose_locally
-from planner.decompose_norm import decompose_norms
+from hetsynth.planner.decompose import decompose_cross_entropy, strip_noops
+from hetsynth.planner.decompose_local import decompose_locally
+from hetsynth.planner.decompose_norm import decompose_norms
 
 aten = torch.ops.aten
 HOP = torch._ops.HigherOrderOperator

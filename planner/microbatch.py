@@ -29,11 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from instruction_set.graph import Node, ReferenceGraph
-from instruction_set.models import ModelSpec, with_overrides
-from instruction_set.stages import input_only
-from planner.capture import capture_spec
-from planner.graph_match import MicroGraphMismatch, aligned
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.models import ModelSpec, with_overrides
+from hetsynth.instruction_set.stages import input_only
+from hetsynth.planner.capture import capture_spec
+from hetsynth.planner.graph_match import MicroGraphMismatch, aligned
 
 # ops a batch sum's path to the loss may take and stay linear in the samples
 _LINEAR = {"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.view.default", "aten.reshape.default",

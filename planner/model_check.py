@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from instruction_set.graph import Node, ReferenceGraph
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.capture import capture_spec
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.capture import capture_spec
 
 # what the fingerprint leaves out (instruction_set.graph.ReferenceGraph.fingerprint)
 UNHASHED = {"source", "flops_fwd", "flops_bwd", "measured_s", "saved"}

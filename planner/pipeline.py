@@ -20,24 +20,24 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from cost_models.flows import NicModel
-from cost_models.schedule import Timeline, simulate_schedule
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import P, R, Layout
-from instruction_set.mesh import Mesh
-from instruction_set.models import ModelSpec
-from instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage, PredictedEvent
-from instruction_set.plan import Plan, PlanShape
-from instruction_set.program import FUSED_MATMULS
-from instruction_set.reshard_sides import Placed, reshard_spec
-from instruction_set.resharding import ReshardMethod
-from instruction_set.schedule import Link, Schedule, build_actions, check_actions
-from instruction_set.stages import boundary_outputs, stage_graph
-from planner.microbatch import MeasureAt, micro_batch_sizes, micro_graphs
-from planner.planner import _evaluate, finalize, make_plan, model_info, shard_table, without_fusion
-from planner import stage_times
-from planner.resharding import plan_reshard
+from hetsynth.cost_models.flows import NicModel
+from hetsynth.cost_models.schedule import Timeline, simulate_schedule
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import P, R, Layout
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.models import ModelSpec
+from hetsynth.instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage, PredictedEvent
+from hetsynth.instruction_set.plan import Plan, PlanShape
+from hetsynth.instruction_set.program import FUSED_MATMULS
+from hetsynth.instruction_set.reshard_sides import Placed, reshard_spec
+from hetsynth.instruction_set.resharding import ReshardMethod
+from hetsynth.instruction_set.schedule import Link, Schedule, build_actions, check_actions
+from hetsynth.instruction_set.stages import boundary_outputs, stage_graph
+from hetsynth.planner.microbatch import MeasureAt, micro_batch_sizes, micro_graphs
+from hetsynth.planner.planner import _evaluate, finalize, make_plan, model_info, shard_table, without_fusion
+from hetsynth.planner import stage_times
+from hetsynth.planner.resharding import plan_reshard
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, sc
     starts, sub-meshes, M and schedule by its estimate), its `top_k` candidates synthesized
     and simulated, the fastest kept; the shape as in `plan_stages`. The SPMD plan unchanged
     when no candidate fits the estimate's memory or the model has no blocks to cut between."""
-    from planner.stage_dp import choose_stages
+    from hetsynth.planner.stage_dp import choose_stages
 
     check_float32(spmd)
     batch = spmd.model.batch_size
@@ -357,7 +357,7 @@ def stage_memory(plan: Plan) -> list[tuple[float, float, int]]:
     """Per stage: (peak GiB, capacity GiB, micro-batches in flight) of its fullest device under
     the plan's schedule: the stage plan's memory at the largest micro-batch plus the
     saved-for-backward bytes of the other micro-batches in flight (planner.stage_dp.in_flight)."""
-    from planner.stage_dp import in_flight
+    from hetsynth.planner.stage_dp import in_flight
 
     p = plan.pipeline
     out = []

@@ -35,29 +35,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from cost_models.memory import GIB
-from cost_models.precision import costed
-from cost_models.terms import seconds
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import P, R, Layout
-from instruction_set.mixed_precision import Precision, choose_policy
-from instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
-from instruction_set.plan_checks import ShardTable
-from instruction_set.program import COLLECTIVES, Instruction
-from instruction_set.sync import BucketShape, GradientSync
-from instruction_set.training_state import TrainingState
-from planner import baselines
-from planner.evaluate import first_input_layouts, instruction_term, predict
-from planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
-from planner.problem import Problem, Restrictions, plan_problem, plan_views
-from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
-from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
-from planner.recompute import fit_by_recompute
-from planner.fusions import fuse_program, unfuse_program
-from planner.step_cost import choose_buckets, predict_program, program_terms
-from planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
-from planner.zero import (STATE_OBJECTIVES, solve_state_ratios, state_shards, stage_candidates, with_states,
+from hetsynth.cost_models.memory import GIB
+from hetsynth.cost_models.precision import costed
+from hetsynth.cost_models.terms import seconds
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import P, R, Layout
+from hetsynth.instruction_set.mixed_precision import Precision, choose_policy
+from hetsynth.instruction_set.plan import ModelInfo, Plan, Prediction, SynthesisStats
+from hetsynth.instruction_set.plan_checks import ShardTable
+from hetsynth.instruction_set.program import COLLECTIVES, Instruction
+from hetsynth.instruction_set.sync import BucketShape, GradientSync
+from hetsynth.instruction_set.training_state import TrainingState
+from hetsynth.planner import baselines
+from hetsynth.planner.evaluate import first_input_layouts, instruction_term, predict
+from hetsynth.planner.feasibility import PlanInfeasible, check_memory_lower_bound, gib
+from hetsynth.planner.problem import Problem, Restrictions, plan_problem, plan_views
+from hetsynth.planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+from hetsynth.instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
+from hetsynth.planner.recompute import fit_by_recompute
+from hetsynth.planner.fusions import fuse_program, unfuse_program
+from hetsynth.planner.step_cost import choose_buckets, predict_program, program_terms
+from hetsynth.planner.synthesis import DEFAULT_WIDTH, SearchResult, synthesize
+from hetsynth.planner.zero import (STATE_OBJECTIVES, solve_state_ratios, state_shards, stage_candidates, with_states,
                           zero_problem, zero_problems, zero_stages)
 
 log = logging.getLogger(__name__)

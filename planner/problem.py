@@ -29,20 +29,20 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Sequence
 
-from cost_models.comm import CommModel, comm_mesh
-from cost_models.compute import Reference, compute_cost, update_cost
-from cost_models.device_classes import DeviceClasses, device_classes
-from cost_models.linear_cost import LinearCost
-from cost_models.memory import activation_memory, param_memory
-from cost_models.precision import costed
-from instruction_set.cluster import ClusterSpec, DeviceKind
-from instruction_set.graph import Node, ReferenceGraph, TensorMeta
-from instruction_set.kinds import Category, conversion_kind
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
-from instruction_set.plan import Plan
-from instruction_set.rules import Rule, product_rule, rules_for
-from instruction_set.shards import DimClasses, ShardLengths
+from hetsynth.cost_models.comm import CommModel, comm_mesh
+from hetsynth.cost_models.compute import Reference, compute_cost, update_cost
+from hetsynth.cost_models.device_classes import DeviceClasses, device_classes
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.memory import activation_memory, param_memory
+from hetsynth.cost_models.precision import costed
+from hetsynth.instruction_set.cluster import ClusterSpec, DeviceKind
+from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from hetsynth.instruction_set.kinds import Category, conversion_kind
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.rules import Rule, product_rule, rules_for
+from hetsynth.instruction_set.shards import DimClasses, ShardLengths
 
 
 # Per live reference graph (by id; graphs are not hashable): its one-level rules and their

@@ -46,10 +46,10 @@ from typing import Sequence
 
 import pulp
 
-from cost_models.device_classes import DeviceClasses
-from cost_models.memory import GIB
-from cost_models.terms import Cost, Form, Overlap, Series, ShareKind, Term, seconds
-from instruction_set.kinds import Category
+from hetsynth.cost_models.device_classes import DeviceClasses
+from hetsynth.cost_models.memory import GIB
+from hetsynth.cost_models.terms import Cost, Form, Overlap, Series, ShareKind, Term, seconds
+from hetsynth.instruction_set.kinds import Category
 
 
 class MemoryInfeasible(ValueError):

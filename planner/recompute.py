@@ -26,12 +26,12 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from cost_models.memory import GIB, MemoryTerm
-from cost_models.terms import Series, Shares, Term
-from instruction_set.blocks import Unit, mark_recomputed, reads, recompute_units, recomputed_units, writes
-from instruction_set.program import Instruction
-from planner.evaluate import first_input_layouts, instruction_term, memory_bytes, share_kind
-from planner.problem import Problem
+from hetsynth.cost_models.memory import GIB, MemoryTerm
+from hetsynth.cost_models.terms import Series, Shares, Term
+from hetsynth.instruction_set.blocks import Unit, mark_recomputed, reads, recompute_units, recomputed_units, writes
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.planner.evaluate import first_input_layouts, instruction_term, memory_bytes, share_kind
+from hetsynth.planner.problem import Problem
 
 log = logging.getLogger(__name__)
 

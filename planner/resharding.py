@@ -36,11 +36,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Sequence
 
-from cost_models.flows import NicModel, chain_seconds, chunk_bytes, host_map, hops, lower_bound, schedule_cost
-from instruction_set.resharding import (Box, Chain, MethodCost, ReshardError, ReshardMethod, ReshardPlan,
+from hetsynth.cost_models.flows import NicModel, chain_seconds, chunk_bytes, host_map, hops, lower_bound, schedule_cost
+from hetsynth.instruction_set.resharding import (Box, Chain, MethodCost, ReshardError, ReshardMethod, ReshardPlan,
                                         ReshardSpec, Slice, SourceReduction, Tile, check_chains, check_slices,
                                         full_box, reduced_side, slices, tiles)
-from instruction_set.shards import largest_remainder
+from hetsynth.instruction_set.shards import largest_remainder
 
 Builder = Callable[["_Ctx"], list[Chain]]
 

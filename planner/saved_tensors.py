@@ -23,8 +23,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from instruction_set.graph import Node, ReferenceGraph, SavedTensor
-from instruction_set.interpret import call_node, constant
+from hetsynth.instruction_set.graph import Node, ReferenceGraph, SavedTensor
+from hetsynth.instruction_set.interpret import call_node, constant
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cost_models.compute import flops_cost
-from cost_models.linear_cost import LinearCost
-from planner.problem import Problem
+from hetsynth.cost_models.compute import flops_cost
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.planner.problem import Problem
 
 
 def sfb_cost(pb: Problem, weight: str, linear: str, variant: str, shares: Sequence[float]) -> LinearCost:

@@ -14,8 +14,8 @@ import json
 from functools import lru_cache
 from typing import Sequence
 
-from planner.problem import Problem
-from planner.transitions import Emit, Fact, Move
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.transitions import Emit, Fact, Move
 
 OUT = "#out"
 

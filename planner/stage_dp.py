@@ -36,10 +36,10 @@ from typing import Sequence
 
 import numpy as np
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import ReferenceGraph
-from instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES
-from instruction_set.schedule import Schedule
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES
+from hetsynth.instruction_set.schedule import Schedule
 
 INF = float("inf")
 

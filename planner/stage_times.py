@@ -39,14 +39,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from cost_models.comm import CommModel
-from cost_models.schedule import StageTimes
-from cost_models.terms import seconds
-from instruction_set.cluster import ClusterSpec
-from instruction_set.pipeline import Boundary, PipelineStage
-from instruction_set.plan import Plan
-from planner.problem import Problem, plan_problem
-from planner.step_cost import _split
+from hetsynth.cost_models.comm import CommModel
+from hetsynth.cost_models.schedule import StageTimes
+from hetsynth.cost_models.terms import seconds
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.pipeline import Boundary, PipelineStage
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.problem import Problem, plan_problem
+from hetsynth.planner.step_cost import _split
 
 Channel = tuple[int, str]  # (boundary index, "F" | "B")
 

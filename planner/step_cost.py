@@ -55,20 +55,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.linear_cost import LinearCost
-from cost_models.memory import MemoryTerm
-from cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
-from instruction_set.kinds import Category, Phase
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.plan import Prediction
-from instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
-from instruction_set.training_state import GATHERED_AFTER_STEP, SCATTER_VARIANTS, SHARDED_STATES, TrainingState
-from instruction_set.sync import (DEFAULT_BUCKET_CAP_BYTES, ONE_BUCKET, BucketShape, GradBucket, GradientSync,
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.memory import MemoryTerm
+from hetsynth.cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
+from hetsynth.instruction_set.kinds import Category, Phase
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.plan import Prediction
+from hetsynth.instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
+from hetsynth.instruction_set.training_state import GATHERED_AFTER_STEP, SCATTER_VARIANTS, SHARDED_STATES, TrainingState
+from hetsynth.instruction_set.sync import (DEFAULT_BUCKET_CAP_BYTES, ONE_BUCKET, BucketShape, GradBucket, GradientSync,
                                   assign_buckets, sync_messages)
-from planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
-from planner.evaluate import first_input_layouts, instruction_term, predict
-from planner.problem import Problem
-from planner.recompute import recompute_memory
+from hetsynth.planner import fusions  # noqa: F401  (registers the fused instructions' cost terms)
+from hetsynth.planner.evaluate import first_input_layouts, instruction_term, predict
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.recompute import recompute_memory
 
 CAPS_BYTES = (2**18, 2**20, 4 * 2**20, 25 * 2**20)  # 256 KiB up to torch DDP's 25 MiB cap
 LAST_CAPS_BYTES = (2**18, 2**19, 2**20)              # a small last bucket: 256 KiB to 1 MiB

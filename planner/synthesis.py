@@ -77,13 +77,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from instruction_set.layouts import P, R, Layout
-from instruction_set.program import Instruction
-from planner.bounds import ChainBound
-from planner.facts import FactTable
-from planner.problem import Problem
-from planner.signature import Signatures, actual_facts, canonical_facts, canonical_move, instantiate
-from planner.transitions import Fact, Move, moves
+from hetsynth.instruction_set.layouts import P, R, Layout
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.planner.bounds import ChainBound
+from hetsynth.planner.facts import FactTable
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.signature import Signatures, actual_facts, canonical_facts, canonical_move, instantiate
+from hetsynth.planner.transitions import Fact, Move, moves
 
 log = logging.getLogger(__name__)
 

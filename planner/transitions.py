@@ -21,13 +21,13 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import product
 
-from instruction_set.graph import Node
-from instruction_set.kinds import kind as instruction_kind
-from instruction_set.layouts import P, R, S, Layout, Replicate, Shard
-from instruction_set.program import Instruction
-from instruction_set.rules import Rule
-from planner.problem import Problem, Step, StorageClass
-from planner.sfb import sfb_cost
+from hetsynth.instruction_set.graph import Node
+from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.layouts import P, R, S, Layout, Replicate, Shard
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.rules import Rule
+from hetsynth.planner.problem import Problem, Step, StorageClass
+from hetsynth.planner.sfb import sfb_cost
 
 Fact = tuple[str, Layout]
 

@@ -53,14 +53,14 @@ from typing import Sequence
 
 import pulp
 
-from cost_models.memory import OPTIMIZER_COPIES
-from instruction_set.layouts import R
-from instruction_set.program import Instruction
-from instruction_set.training_state import SHARDED_STATES, StateShards, TrainingState, state_rows
-from planner.evaluate import memory_bytes
-from planner.problem import Problem
-from planner.ratios import MemoryInfeasible, _solver
-from planner.step_cost import program_terms, state_gather_variant, state_scatter_variant, zero3_uses
+from hetsynth.cost_models.memory import OPTIMIZER_COPIES
+from hetsynth.instruction_set.layouts import R
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.training_state import SHARDED_STATES, StateShards, TrainingState, state_rows
+from hetsynth.planner.evaluate import memory_bytes
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.ratios import MemoryInfeasible, _solver
+from hetsynth.planner.step_cost import program_terms, state_gather_variant, state_scatter_variant, zero3_uses
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.matmul_rates import HALF_DTYPES, Dtype, MatmulRates
-from profiling.measure import MATMULS, device_sync, sustained_seconds
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.matmul_rates import HALF_DTYPES, Dtype, MatmulRates
+from hetsynth.profiling.measure import MATMULS, device_sync, sustained_seconds
 
 _TORCH = {Dtype.FLOAT32: torch.float32, Dtype.TF32: torch.float32, Dtype.BFLOAT16: torch.bfloat16,
           Dtype.FLOAT16: torch.float16}

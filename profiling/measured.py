@@ -10,13 +10,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.graph import ReferenceGraph
-from instruction_set.models import parse_model_ref
-from planner.capture import capture_spec
-from profiling.model_timing import device_scales, time_on_cluster
-from profiling.op_profile import measure_ops, model_seconds, one_thread
-from runtime import emulation
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.planner.capture import capture_spec
+from hetsynth.profiling.model_timing import device_scales, time_on_cluster
+from hetsynth.profiling.op_profile import measure_ops, model_seconds, one_thread
+from hetsynth.runtime import emulation
 
 log = logging.getLogger(__name__)
 

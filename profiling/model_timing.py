@@ -19,7 +19,7 @@ root allows); profiling.measured times the reference rows and stores the factors
 graph's device_scales, which then replace the matmul-rate ratio for every op of the model on
 devices of that kind (cost_models.compute).
 
-    python -m profiling.model_timing --model REF --cluster SPEC --output JSON   (under torchrun)
+    python -m hetsynth.profiling.model_timing --model REF --cluster SPEC --output JSON   (under torchrun)
 """
 
 from __future__ import annotations
@@ -32,22 +32,22 @@ import sys
 import torch
 import torch.distributed as dist
 
-from instruction_set.cluster import ClusterSpec, dump_cluster_toml, load_cluster
-from instruction_set.files import write_atomic
-from instruction_set.shards import largest_remainder
-from runtime.rank import run_rank
+from hetsynth.instruction_set.cluster import ClusterSpec, dump_cluster_toml, load_cluster
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.shards import largest_remainder
+from hetsynth.runtime.rank import run_rank
 
 
 def time_on_cluster(ref: str, cluster: ClusterSpec, seconds: float = 1.0) -> list[dict]:
     """Per device of `cluster`: {name, kind, rows, batch, seconds}, the sustained seconds of
     the model's forward and backward on its rows, measured on the device with all devices
     busy (see the module docstring)."""
-    from runtime.launch import launch_checked, recorded_run
+    from hetsynth.runtime.launch import launch_checked, recorded_run
 
     with recorded_run() as (_, tmp):
         spec_path, out = tmp / "cluster.toml", tmp / "timing.json"
         spec_path.write_text(dump_cluster_toml(cluster))
-        launch_checked(cluster, ["-m", "profiling.model_timing", "--model", ref, "--cluster", str(spec_path),
+        launch_checked(cluster, ["-m", "hetsynth.profiling.model_timing", "--model", ref, "--cluster", str(spec_path),
                                  "--output", str(out), "--seconds", str(seconds)],
                        f"timing {ref} on the devices of {cluster.name!r}")
         return json.loads(out.read_text())["devices"]
@@ -65,14 +65,14 @@ def device_scales(records: list[dict], reference_s: dict[int, float]) -> dict[st
 
 def device_rows(cluster: ClusterSpec, batch: int) -> list[int]:
     """Rows per device in proportion to the profiled throughputs (DP-CP's split)."""
-    from planner.baselines import proportional
+    from hetsynth.planner.baselines import proportional
 
     return largest_remainder(proportional(cluster), batch)
 
 
 def time_rows(rank: int, args: argparse.Namespace) -> None:
-    from instruction_set.models import parse_model_ref
-    from profiling.op_profile import model_seconds
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.profiling.op_profile import model_seconds
 
     cluster = load_cluster(args.cluster)
     spec = parse_model_ref(args.model)
@@ -92,7 +92,7 @@ def time_rows(rank: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="profiling.model_timing")
+    p = argparse.ArgumentParser(prog="hetsynth.profiling.model_timing")
     p.add_argument("--model", required=True)
     p.add_argument("--cluster", required=True)
     p.add_argument("--output", required=True)

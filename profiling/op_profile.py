@@ -22,10 +22,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from cost_models.compute import FREE_OPS
-from instruction_set.graph import Node, ReferenceGraph
-from instruction_set.interpret import call_node, graph_inputs
-from profiling.measure import matmul_throughput, sustained_seconds
+from hetsynth.cost_models.compute import FREE_OPS
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.interpret import call_node, graph_inputs
+from hetsynth.profiling.measure import matmul_throughput, sustained_seconds
 
 
 def _signature(node: Node, env: dict[str, Any]) -> str:

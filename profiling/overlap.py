@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from profiling.measure import device_sync, sustained_seconds
+from hetsynth.profiling.measure import device_sync, sustained_seconds
 
 CASES = ((64 * 2**10, 8), (2**20, 1), (4 * 2**20, 1))  # (bytes, messages): many small, a few large
 P2P_CASES = ((128 * 2**10, 4), (128 * 2**10, 1), (2**20, 1))  # pipeline boundary messages

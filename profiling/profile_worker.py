@@ -1,4 +1,4 @@
-"""One rank of `hetsynth profile`, started by torchrun (`python -m profiling.profile_worker`).
+"""One rank of `hetsynth profile`, started by torchrun (`python -m hetsynth.profiling.profile_worker`).
 
 Every rank measures its compute, then all ranks time the collectives on all ranks, on each
 node's ranks and on the cross-node groups of one rank per node, all groups at once
@@ -16,22 +16,22 @@ import sys
 import torch
 import torch.distributed as dist
 
-from instruction_set.cluster import dump_cluster_toml, load_cluster
-from instruction_set.files import write_atomic
-from instruction_set.mesh import Mesh
-from profiling.overlap import p2p_cpu_rows, transfer_cpu_rows
-from profiling.profiler import measure_collectives, measure_compute, measured_spec
-from runtime.groups import Groups
-from runtime.rank import run_rank
+from hetsynth.instruction_set.cluster import dump_cluster_toml, load_cluster
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.profiling.overlap import p2p_cpu_rows, transfer_cpu_rows
+from hetsynth.profiling.profiler import measure_collectives, measure_compute, measured_spec
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.rank import run_rank
 
-log = logging.getLogger("profiling.profile_worker")  # runs as __main__ under torchrun
+log = logging.getLogger("hetsynth.profiling.profile_worker")  # runs as __main__ under torchrun
 
 
 OUTER_SKEWS = [None]  # outer groups of two nodes; their shares follow node sums
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="profiling.profile_worker")
+    p = argparse.ArgumentParser(prog="hetsynth.profiling.profile_worker")
     p.add_argument("--cluster", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--seconds", type=float, default=1.0, help="time per compute measurement")

@@ -33,16 +33,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cost_models.comm import collective_terms
-from instruction_set.calibration import AlphaBeta, Calibration
-from instruction_set.cluster import ClusterSpec
-from instruction_set.matmul_rates import Dtype
-from instruction_set.shards import largest_remainder
-from profiling.matmul_dtypes import dtype_rates, measured_rates
-from profiling.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
-from runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
-from runtime.collectives.allreduce import reduce_ring
-from runtime.groups import Groups
+from hetsynth.cost_models.comm import collective_terms
+from hetsynth.instruction_set.calibration import AlphaBeta, Calibration
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.matmul_rates import Dtype
+from hetsynth.instruction_set.shards import largest_remainder
+from hetsynth.profiling.matmul_dtypes import dtype_rates, measured_rates
+from hetsynth.profiling.measure import device_sync, matmul_throughput, memory_bandwidth, sustained_seconds
+from hetsynth.runtime.collectives import Span, all_gather, all_to_all, reduce_scatter
+from hetsynth.runtime.collectives.allreduce import reduce_ring
+from hetsynth.runtime.groups import Groups
 
 OTHER_DTYPES = tuple(d for d in Dtype if d is not Dtype.FLOAT32)  # float32 is throughput_flops
 SKEWS = [None, (0.9, 0.1)]  # even shards, and 90/10 between the first member and the rest

@@ -1,4 +1,4 @@
-"""One node's torchrun agent, as the launcher starts it (`python -m runtime.agent ... -- <torchrun args>`).
+"""One node's torchrun agent, as the launcher starts it (`python -m hetsynth.runtime.agent ... -- <torchrun args>`).
 
 It is torchrun (`torch.distributed.run.run`, in this process), with these differences:
 
@@ -36,7 +36,7 @@ import os
 import signal
 import sys
 
-from instruction_set.files import write_atomic
+from hetsynth.instruction_set.files import write_atomic
 
 PR_SET_PDEATHSIG = 1
 AGENT_ENV = "HETSYNTH_AGENT_PID"   # the workers' parent, for their own PR_SET_PDEATHSIG (runtime.rank)
@@ -71,7 +71,7 @@ def write_failures(path: str, failures: dict) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The agent's own flags, and torchrun's after `--` (in `torchrun`)."""
-    p = argparse.ArgumentParser(prog="runtime.agent")
+    p = argparse.ArgumentParser(prog="hetsynth.runtime.agent")
     p.add_argument("--parent", type=int, help="the launcher's pid, to die with (none: a node command a user runs)")
     p.add_argument("--failures", help="write the workers' failures here (JSON; none: torchrun reports them)")
     p.add_argument("--bind-store", action="store_true", help="host the rendezvous store on --master-addr only")

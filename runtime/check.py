@@ -136,8 +136,8 @@ def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float
 def pool_worker(rank: int, world: int, plan: Any, config: Any) -> tuple[list[float], dict, dict]:
     """Train a plan on one rank of a RankPool: (global losses, local parameters, buffers)."""
     import torch.distributed as dist
-    from runtime.groups import Groups
-    from runtime.train import local_parameters, model_buffers, setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import local_parameters, model_buffers, setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     losses = [train_step(trainer, step).loss for step in range(config.steps)]
@@ -149,9 +149,9 @@ def check_on_pool(pool: Any, plan: Any, config: Any, tolerance: float = 1e-9) ->
     each against single-device training in its dtype; the last comparison decides."""
     from dataclasses import replace
 
-    from instruction_set.precision import lowered_ops_recorded, with_float_dtype
-    from runtime.rank_state import assemble
-    from runtime.train import plan_reference
+    from hetsynth.instruction_set.precision import lowered_ops_recorded, with_float_dtype
+    from hetsynth.runtime.rank_state import assemble
+    from hetsynth.runtime.train import plan_reference
 
     out = []
     for dtype in [plan.model.dtype] + (["float64"] if plan.model.dtype != "float64" else []):

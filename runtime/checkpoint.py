@@ -35,14 +35,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from instruction_set.files import atomic_file
-from instruction_set.graph import ReferenceGraph
-from instruction_set.models import ModelSpec
-from instruction_set.plan import Plan
-from runtime.codegen import local_slice
-from runtime.config import TrainConfig
-from runtime.rank_state import assemble
-from runtime.train import Trainer, model_buffers
+from hetsynth.instruction_set.files import atomic_file
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.models import ModelSpec
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.runtime.codegen import local_slice
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.rank_state import assemble
+from hetsynth.runtime.train import Trainer, model_buffers
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: no checksums

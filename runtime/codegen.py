@@ -44,27 +44,27 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from instruction_set.blocks import recomputed_units
-from instruction_set.graph import Node
-from instruction_set.interpret import constant
-from instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
-from instruction_set.layouts import P, R, Layout
-from instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
-from instruction_set.mesh import Mesh
-from instruction_set.plan import Plan
-from instruction_set.program import Instruction
-from instruction_set.rules.state import BUFFER_UPDATE
-from instruction_set.shards import MeshLayout
-from instruction_set.training_state import TrainingState
-from runtime.collectives import Span
-from runtime.conversions import make_conversion, span
-from runtime.fused_ops import FusedLinear
-from runtime.mixed_precision import wire_dtype
-from runtime.groups import Groups
-from runtime.peephole import fuse_cross_entropy
-from runtime.recompute import emit_unit
-from runtime.sfb import SFBLinearModule
-from runtime.zero3 import GatherParamModule, ParamGathers, RegatherPointModule, chain_end, chain_start
+from hetsynth.instruction_set.blocks import recomputed_units
+from hetsynth.instruction_set.graph import Node
+from hetsynth.instruction_set.interpret import constant
+from hetsynth.instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
+from hetsynth.instruction_set.layouts import P, R, Layout
+from hetsynth.instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.rules.state import BUFFER_UPDATE
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.instruction_set.training_state import TrainingState
+from hetsynth.runtime.collectives import Span
+from hetsynth.runtime.conversions import make_conversion, span
+from hetsynth.runtime.fused_ops import FusedLinear
+from hetsynth.runtime.mixed_precision import wire_dtype
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.peephole import fuse_cross_entropy
+from hetsynth.runtime.recompute import emit_unit
+from hetsynth.runtime.sfb import SFBLinearModule
+from hetsynth.runtime.zero3 import GatherParamModule, ParamGathers, RegatherPointModule, chain_end, chain_start
 
 
 CHAIN = ("zero3_chain", R)  # the env's key of the ZeRO-3 chain's latest token (runtime.zero3)

@@ -1,4 +1,4 @@
-"""Time several plans of one model on the same ranks, interleaved (`python -m runtime.compare`).
+"""Time several plans of one model on the same ranks, interleaved (`python -m hetsynth.runtime.compare`).
 
 Every rank builds a trainer for each plan, warms each up, then runs `rounds` rounds in which
 each plan trains `steps` steps in turn, so all plans see the same machine conditions. Each
@@ -53,20 +53,20 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from instruction_set.files import write_atomic
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan, PlanShape
-from runtime.config import TrainConfig
-from runtime.emulation import IFACE
-from runtime.groups import Groups
-from runtime.pipeline import trainer as pipeline_trainer
-from runtime.plan_handoff import load_rank_plan
-from runtime.rank import run_rank
-from runtime.ddp import DDPTrainer, ddp_setup
-from runtime.fsdp import even_rows, fsdp_setup, proportional_rows
-from runtime.timing import StepTracer
-from runtime.parallel import ParallelModule
-from runtime.train import (StepLog, Trainer, batch_rows, full_state, local_batch, make_optimizer, rank_rows, setup,
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan, PlanShape
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.emulation import IFACE
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.pipeline import trainer as pipeline_trainer
+from hetsynth.runtime.plan_handoff import load_rank_plan
+from hetsynth.runtime.rank import run_rank
+from hetsynth.runtime.ddp import DDPTrainer, ddp_setup
+from hetsynth.runtime.fsdp import even_rows, fsdp_setup, proportional_rows
+from hetsynth.runtime.timing import StepTracer
+from hetsynth.runtime.parallel import ParallelModule
+from hetsynth.runtime.train import (StepLog, Trainer, batch_rows, full_state, local_batch, make_optimizer, rank_rows, setup,
                            train_step)
 
 DDP_MODES = ("mean", "weighted")
@@ -202,7 +202,7 @@ def aligned_events(by_rank: list[list[list[tuple[str, int, float, float]]]]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="runtime.compare")
+    p = argparse.ArgumentParser(prog="hetsynth.runtime.compare")
     p.add_argument("--plans", nargs="*", default=[])
     p.add_argument("--names", nargs="*", default=[])
     p.add_argument("--warmup", type=int, default=2)

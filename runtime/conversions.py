@@ -14,14 +14,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from instruction_set.kinds import Implementations
-from instruction_set.layouts import Layout
-from instruction_set.plan import Plan
-from instruction_set.program import Instruction
-from instruction_set.shards import MeshLayout
-from runtime import collectives as C
-from runtime.groups import Groups
-from runtime.mixed_precision import wire_dtype
+from hetsynth.instruction_set.kinds import Implementations
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.runtime import collectives as C
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.mixed_precision import wire_dtype
 
 
 class Conversion(nn.Module):

@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from instruction_set.plan import Plan
-from runtime.input_rows import local_rows
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.runtime.input_rows import local_rows
 
 Collate = Callable[[list[Any]], Any]
 Pick = slice | torch.Tensor

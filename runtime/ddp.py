@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from instruction_set.models import ModelSpec
-from runtime.config import TrainConfig
-from runtime.train import StepLog, make_optimizer
+from hetsynth.instruction_set.models import ModelSpec
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import StepLog, make_optimizer
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 

@@ -75,9 +75,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from instruction_set.cluster import ClusterSpec, Emulation as EmulationSpec
-from runtime.names import CGROUP_CPU, PREFIX
-from runtime.runstate import RunRecord, recorded, remove, remove_cgroup, remove_namespace
+from hetsynth.instruction_set.cluster import ClusterSpec, Emulation as EmulationSpec
+from hetsynth.runtime.names import CGROUP_CPU, PREFIX
+from hetsynth.runtime.runstate import RunRecord, recorded, remove, remove_cgroup, remove_namespace
 
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # workers under memory limits (module docstring)

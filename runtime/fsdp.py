@@ -33,10 +33,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from instruction_set.models import ModelSpec
-from runtime.config import TrainConfig
-from runtime.ddp import DDPSetupError, DDPTrainer
-from runtime.train import make_optimizer
+from hetsynth.instruction_set.models import ModelSpec
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.ddp import DDPSetupError, DDPTrainer
+from hetsynth.runtime.train import make_optimizer
 
 
 def even_rows(batch: int, world: int) -> list[int]:

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from instruction_set.kinds import fused_slices
-from instruction_set.program import FUSED_MATMULS
-from runtime.collectives import fused as K
-from runtime.collectives.span import Span, from_front, to_front
+from hetsynth.instruction_set.kinds import fused_slices
+from hetsynth.instruction_set.program import FUSED_MATMULS
+from hetsynth.runtime.collectives import fused as K
+from hetsynth.runtime.collectives.span import Span, from_front, to_front
 
 
 def gather_compute(x: torch.Tensor, span: Span, variant: str, compute: K.Compute, y: torch.Tensor) -> torch.Tensor:

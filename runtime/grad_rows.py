@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from instruction_set.training_state import SCATTER_VARIANTS
-from runtime.collectives import Span
+from hetsynth.instruction_set.training_state import SCATTER_VARIANTS
+from hetsynth.runtime.collectives import Span
 
 
 @dataclass(frozen=True)

@@ -67,11 +67,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from instruction_set.mesh import Mesh, MeshAxis
-from instruction_set.sync import GradBucket
-from runtime.collectives.allreduce import scatter_parts
-from runtime.grad_rows import SCATTER_STAGES, RowsLayout, row_layouts
-from runtime.groups import Groups, group_timeout
+from hetsynth.instruction_set.mesh import Mesh, MeshAxis
+from hetsynth.instruction_set.sync import GradBucket
+from hetsynth.runtime.collectives.allreduce import scatter_parts
+from hetsynth.runtime.grad_rows import SCATTER_STAGES, RowsLayout, row_layouts
+from hetsynth.runtime.groups import Groups, group_timeout
 
 
 class GradientSyncError(RuntimeError):

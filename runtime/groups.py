@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from instruction_set.mesh import Mesh
-from runtime.collectives.span import Span
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.runtime.collectives.span import Span
 
 
 @dataclass

@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.names import STATUS_ENV, start_ticks
-from runtime.runstate import write_replacing
+from hetsynth.runtime.names import STATUS_ENV, start_ticks
+from hetsynth.runtime.runstate import write_replacing
 
 ENV = STATUS_ENV
 BEAT_S = 0.5

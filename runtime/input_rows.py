@@ -20,11 +20,11 @@ from typing import Any, Sequence
 
 import torch
 
-from instruction_set.layouts import Layout
-from instruction_set.mesh import Mesh
-from instruction_set.pipeline import PipelineStage
-from instruction_set.plan import Plan, PlanShape
-from instruction_set.shards import MeshLayout
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.pipeline import PipelineStage
+from hetsynth.instruction_set.plan import Plan, PlanShape
+from hetsynth.instruction_set.shards import MeshLayout
 
 
 def input_names(plan: Plan) -> list[str]:

@@ -64,20 +64,20 @@ from typing import Iterator
 
 import torch
 
-from instruction_set.cluster import ClusterSpec
-from instruction_set.plan import Plan, PlanShape, save_plan
-from instruction_set.precision import lowered_ops_recorded
-from runtime import emulation, heartbeat, runstate
-from runtime.check import Comparison, compare, dtype_tolerances
-from runtime.checkpoint import check_resume, read_checkpoint
-from runtime.config import TrainConfig
-from runtime.outputs import check_outputs
-from runtime.pipeline.run import check_pipeline_args
-from runtime.plan_handoff import PATH_ENV, PLAN_ENV, validated_digest
-from runtime.runstate import RunRecord
-from runtime.memory_report import format_cgroup_peaks
-from runtime.mixed_precision import reference_dtype
-from runtime.train import plan_reference
+from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.plan import Plan, PlanShape, save_plan
+from hetsynth.instruction_set.precision import lowered_ops_recorded
+from hetsynth.runtime import emulation, heartbeat, runstate
+from hetsynth.runtime.check import Comparison, compare, dtype_tolerances
+from hetsynth.runtime.checkpoint import check_resume, read_checkpoint
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.outputs import check_outputs
+from hetsynth.runtime.pipeline.run import check_pipeline_args
+from hetsynth.runtime.plan_handoff import PATH_ENV, PLAN_ENV, validated_digest
+from hetsynth.runtime.runstate import RunRecord
+from hetsynth.runtime.memory_report import format_cgroup_peaks
+from hetsynth.runtime.mixed_precision import reference_dtype
+from hetsynth.runtime.train import plan_reference
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def runs_here(cluster: ClusterSpec) -> bool:
 def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str | None,
                 dtype: str | None = None) -> list[str]:
     train = dataclasses.replace(opts.train, dtype=dtype) if dtype else opts.train
-    args = ["-m", "runtime.worker", "--plan", plan_path, *train.to_argv(),
+    args = ["-m", "hetsynth.runtime.worker", "--plan", plan_path, *train.to_argv(),
             "--timeout", str(opts.timeout_s), "--report", report]
     args += ["--params-out", params_out] if params_out else []
     args += ["--save", opts.save] if opts.save else []
@@ -149,7 +149,7 @@ def worker_args(plan_path: str, opts: RunOptions, report: str, params_out: str |
 def script_args(script: str, args: list[str]) -> list[str]:
     """The worker's command line of `hetsynth launch`: the user's script and its arguments,
     untouched, under runtime.script_runner."""
-    return ["-m", "runtime.script_runner", script, *args]
+    return ["-m", "hetsynth.runtime.script_runner", script, *args]
 
 
 def node_commands(cluster: ClusterSpec, worker: list[str], env: dict[str, str] | None = None) -> str:
@@ -163,7 +163,7 @@ def node_commands(cluster: ClusterSpec, worker: list[str], env: dict[str, str] |
     prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
     out = []
     for i, node in enumerate(cluster.nodes):
-        torchrun = "python -m runtime.agent --bind-store -- " if i == 0 else "torchrun "
+        torchrun = "python -m hetsynth.runtime.agent --bind-store -- " if i == 0 else "torchrun "
         out.append(f"# node {node.name} ({len(node.devices)} devices)\n{prefix}"
                    f"GLOO_SOCKET_IFNAME=<interface of node {node.name} toward node {first}> "
                    f"{torchrun}--nnodes {n} --node-rank {i} --nproc-per-node {len(node.devices)} "
@@ -291,7 +291,7 @@ def launch_checked(cluster: ClusterSpec, module_args: list[str], what: str, *, t
 def _agent(workdir: Path, node: int, torchrun: list[str], store: str | None = None) -> list[str]:
     """An agent's command; `store`: --bind-store or --hold-store for the node hosting the
     store. torchrun's logs go under the work directory (not /tmp/torchelastic_*)."""
-    return [sys.executable, "-m", "runtime.agent", "--parent", str(os.getpid()),
+    return [sys.executable, "-m", "hetsynth.runtime.agent", "--parent", str(os.getpid()),
             "--failures", str(workdir / f"failures{node}.json"), *([store] if store else []),
             "--", f"--log-dir={workdir / f'torchelastic{node}'}", *torchrun]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
-PROJECT_LOGGERS = ("instruction_set", "cost_models", "planner", "runtime", "profiling")
+PROJECT_LOGGERS = ("hetsynth",)  # every module of the project logs below it (hetsynth.runtime.train ...)
 
 
 class _Below(logging.Filter):

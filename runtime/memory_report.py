@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES, Plan
+from hetsynth.instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES, Plan
 
 MIB, GIB = 2.0**20, 2.0**30
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from instruction_set.matmul_rates import Dtype
-from instruction_set.plan import Plan
+from hetsynth.instruction_set.matmul_rates import Dtype
+from hetsynth.instruction_set.plan import Plan
 
 TORCH_DTYPES = {Dtype.BFLOAT16: torch.bfloat16, Dtype.FLOAT16: torch.float16}
 

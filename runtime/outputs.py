@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from instruction_set.files import is_special
+from hetsynth.instruction_set.files import is_special
 
 Paths = Mapping[str, "str | Path | None"]
 

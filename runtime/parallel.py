@@ -51,14 +51,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from instruction_set.plan import Plan
-from instruction_set.shards import MeshLayout
-from runtime.codegen import RankProgram, build_rank_program, local_slice
-from runtime.groups import Groups
-from runtime.input_rows import check_rows, input_names, input_rows, layout_rows, local_rows
-from runtime.mixed_precision import autocast, loss_scaler
-from runtime.rank_state import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
-from runtime.zero import ZeroState
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.runtime.codegen import RankProgram, build_rank_program, local_slice
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.input_rows import check_rows, input_names, input_rows, layout_rows, local_rows
+from hetsynth.runtime.mixed_precision import autocast, loss_scaler
+from hetsynth.runtime.rank_state import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
+from hetsynth.runtime.zero import ZeroState
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from instruction_set.plan import Plan, PlanError, plan_from_json
+from hetsynth.instruction_set.plan import Plan, PlanError, plan_from_json
 
 PLAN_ENV = "HETSYNTH_PLAN_SHA256"
 PATH_ENV = "HETSYNTH_PLAN"  # the validated plan file's absolute path, for a rank's own script (hetsynth launch)

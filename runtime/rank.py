@@ -25,10 +25,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from runtime.agent import AGENT_ENV, PR_SET_PDEATHSIG
-from runtime.emulation import join_device
-from runtime.heartbeat import Heartbeat
-from runtime.logs import configure_rank_logging
+from hetsynth.runtime.agent import AGENT_ENV, PR_SET_PDEATHSIG
+from hetsynth.runtime.emulation import join_device
+from hetsynth.runtime.heartbeat import Heartbeat
+from hetsynth.runtime.logs import configure_rank_logging
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from instruction_set.layouts import Layout
-from instruction_set.plan import Plan
-from instruction_set.precision import float_everywhere
-from instruction_set.shards import MeshLayout
-from instruction_set.training_state import TrainingState
-from runtime.codegen import RankProgram
-from runtime.grad_sync import GradientSync
-from runtime.groups import Groups
-from runtime.zero import ZeroState
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.precision import float_everywhere
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.instruction_set.training_state import TrainingState
+from hetsynth.runtime.codegen import RankProgram
+from hetsynth.runtime.grad_sync import GradientSync
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.zero import ZeroState
 
 
 def gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientSync | None:

@@ -26,10 +26,10 @@ from typing import Any, Callable, Sequence
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from instruction_set.blocks import Unit, reads
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import P, Layout
-from instruction_set.program import Instruction
+from hetsynth.instruction_set.blocks import Unit, reads
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import P, Layout
+from hetsynth.instruction_set.program import Instruction
 
 Key = tuple[str, Layout]
 

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from runtime.names import CGROUP_CPU, PREFIX, STATUS_ENV, start_ticks
+from hetsynth.runtime.names import CGROUP_CPU, PREFIX, STATUS_ENV, start_ticks
 
 TEMPDIR_NAME = re.compile(r"hetsynth-[a-z]+(-[a-z]+)*-[0-9a-f]{8}")
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from instruction_set.resharding import Box, Chain, ReshardPlan
-from runtime.collectives import Span, reduce_scatter
-from runtime.collectives.chain import Leg, run_round
+from hetsynth.instruction_set.resharding import Box, Chain, ReshardPlan
+from hetsynth.runtime.collectives import Span, reduce_scatter
+from hetsynth.runtime.collectives.chain import Leg, run_round
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from itertools import count
 from pathlib import Path
 from typing import Callable
 
-from runtime.names import start_ticks
+from hetsynth.runtime.names import start_ticks
 
 _numbers = count()
 
@@ -290,7 +290,7 @@ def remove_dead_runs() -> list[str]:
 def _clean(path: Path) -> list[str]:
     """Remove what the record at `path` lists if its run is dead and the record passes
     runtime.record_check; else set it aside or leave it. The lines to note."""
-    from runtime.record_check import problem, shape_problem
+    from hetsynth.runtime.record_check import problem, shape_problem
 
     try:
         data = json.loads(read_own(path))
@@ -356,7 +356,7 @@ def recorded() -> set[str]:
 
 def live_runs() -> list[str]:
     """One line per run of this user whose process is alive (left alone by the cleanup)."""
-    from runtime.record_check import shape_problem
+    from hetsynth.runtime.record_check import shape_problem
 
     return [f"left alone: the live run of pid {data['pid']}: {_summary(data)}"
             for data in _records() if shape_problem(data) is None and not _dead(data)]

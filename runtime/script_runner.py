@@ -1,5 +1,5 @@
 """One rank of `hetsynth launch`: a user's script under torchrun
-(`python -m runtime.script_runner SCRIPT [ARGS...]`).
+(`python -m hetsynth.runtime.script_runner SCRIPT [ARGS...]`).
 
 What runtime.rank.run_rank does for the project's own workers, less the process group (the
 script creates its own, or hetsynth.parallelize does): die with this rank's agent
@@ -30,13 +30,13 @@ import traceback
 from types import TracebackType
 from typing import TextIO
 
-from runtime.agent import AGENT_ENV, die_with_parent
-from runtime.emulation import join_device
-from runtime.heartbeat import Heartbeat
-from runtime.logs import configure_rank_logging
+from hetsynth.runtime.agent import AGENT_ENV, die_with_parent
+from hetsynth.runtime.emulation import join_device
+from hetsynth.runtime.heartbeat import Heartbeat
+from hetsynth.runtime.logs import configure_rank_logging
 
-log = logging.getLogger("runtime.script_runner")  # not __name__: this module runs as __main__
-USAGE = "usage: python -m runtime.script_runner SCRIPT [ARGS...]"
+log = logging.getLogger("hetsynth.runtime.script_runner")  # not __name__: this module runs as __main__
+USAGE = "usage: python -m hetsynth.runtime.script_runner SCRIPT [ARGS...]"
 
 
 class RankPrefixed:

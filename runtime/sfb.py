@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from runtime import collectives  # noqa: F401  (registers the variants)
-from runtime.collectives.registry import COLLECTIVE_VARIANTS
-from runtime.collectives.span import Span
+from hetsynth.runtime import collectives  # noqa: F401  (registers the variants)
+from hetsynth.runtime.collectives.registry import COLLECTIVE_VARIANTS
+from hetsynth.runtime.collectives.span import Span
 
 
 class SFBLinear(torch.autograd.Function):

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from runtime.codegen import RankProgram
+from hetsynth.runtime.codegen import RankProgram
 
 _ACCUMULATE = "AccumulateGrad"
 
@@ -149,8 +149,8 @@ class StepTracer:
         self.steps: list[dict[str, Any]] = []
 
     def step(self, step: int, inputs: list[torch.Tensor] | None = None) -> Any:
-        """runtime.train.train_step with every instruction timed; returns its StepLog."""
-        from runtime.train import train_step
+        """hetsynth.runtime.train.train_step with every instruction timed; returns its StepLog."""
+        from hetsynth.runtime.train import train_step
 
         self.recorder.forward.clear()
         self.recorder.backward.clear()

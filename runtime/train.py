@@ -28,19 +28,19 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from instruction_set.layouts import Layout
-from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
-from instruction_set.plan import Plan
-from instruction_set.precision import with_float_dtype
-from runtime.codegen import RankProgram
-from runtime.config import TrainConfig
-from runtime.grad_sync import BucketTiming, GradientSync
-from runtime.groups import Groups
-from runtime.input_rows import layout_rows
-from runtime.mixed_precision import reference_dtype
-from runtime.parallel import ParallelModule
-from runtime.rank_state import clip_norm, precision, stored_buffers
-from runtime.zero import ZeroState
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.models import ModelSpec, parse_model_ref, with_dtype
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.precision import with_float_dtype
+from hetsynth.runtime.codegen import RankProgram
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.grad_sync import BucketTiming, GradientSync
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.input_rows import layout_rows
+from hetsynth.runtime.mixed_precision import reference_dtype
+from hetsynth.runtime.parallel import ParallelModule
+from hetsynth.runtime.rank_state import clip_norm, precision, stored_buffers
+from hetsynth.runtime.zero import ZeroState
 
 
 @dataclass

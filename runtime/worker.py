@@ -1,4 +1,4 @@
-"""One rank of `hetsynth run`, started by torchrun (`python -m runtime.worker ...`).
+"""One rank of `hetsynth run`, started by torchrun (`python -m hetsynth.runtime.worker ...`).
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK from torchrun, initialises the default process group
 (NCCL with a GPU per rank, gloo on CPUs) with a collective timeout, builds its program from
@@ -29,25 +29,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from instruction_set.files import write_atomic
-from instruction_set.plan import PlanShape
-from runtime.checkpoint import load_checkpoint, save_atomic, save_checkpoint
-from runtime.config import add_train_arguments, train_config
-from runtime.groups import Groups
-from runtime.memory_report import RankMemory, as_json, format_report, measure_step
-from runtime.outputs import check_outputs
-from runtime.pipeline.run import run_pipeline
-from runtime.plan_handoff import load_rank_plan
-from runtime.rank import run_rank
-from runtime.timing import StepTracer
-from runtime.rank_state import assemble
-from runtime.train import StepLog, Trainer, local_parameters, model_buffers, setup, train_step
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.plan import PlanShape
+from hetsynth.runtime.checkpoint import load_checkpoint, save_atomic, save_checkpoint
+from hetsynth.runtime.config import add_train_arguments, train_config
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.memory_report import RankMemory, as_json, format_report, measure_step
+from hetsynth.runtime.outputs import check_outputs
+from hetsynth.runtime.pipeline.run import run_pipeline
+from hetsynth.runtime.plan_handoff import load_rank_plan
+from hetsynth.runtime.rank import run_rank
+from hetsynth.runtime.timing import StepTracer
+from hetsynth.runtime.rank_state import assemble
+from hetsynth.runtime.train import StepLog, Trainer, local_parameters, model_buffers, setup, train_step
 
-log = logging.getLogger("runtime.worker")  # not __name__: this module runs as __main__ under torchrun
+log = logging.getLogger("hetsynth.runtime.worker")  # not __name__: this module runs as __main__ under torchrun
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="runtime.worker")
+    p = argparse.ArgumentParser(prog="hetsynth.runtime.worker")
     p.add_argument("--plan", required=True)
     add_train_arguments(p)
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from instruction_set.plan import Plan
-from instruction_set.training_state import TrainingState
-from runtime.collectives import COLLECTIVE_VARIANTS, Span
-from runtime.grad_sync import GradientSync
-from runtime.groups import Groups
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.training_state import TrainingState
+from hetsynth.runtime.collectives import COLLECTIVE_VARIANTS, Span
+from hetsynth.runtime.grad_sync import GradientSync
+from hetsynth.runtime.groups import Groups
 
 
 @dataclass

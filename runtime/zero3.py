@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.collectives import COLLECTIVE_VARIANTS, Span
+from hetsynth.runtime.collectives import COLLECTIVE_VARIANTS, Span
 
 
 class GatherParamModule(nn.Module):

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from runtime.pool import RankPool
+from hetsynth.runtime.pool import RankPool
 
 
 class Pools:

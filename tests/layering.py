@@ -75,7 +75,18 @@ def import_sites(root: Path, path: Path) -> list[ImportSite]:
             out.append(ImportSite(path, node.lineno, base, tuple(a.name for a in node.names)))
         elif isinstance(node, ast.Call) and (name := _literal_import(node)):
             out.append(ImportSite(path, node.lineno, name))
-    return [s for s in out if s.module.split(".")[0] in PACKAGES]
+    return [ImportSite(s.path, s.line, folder_module(s.module), s.names) for s in out
+            if folder_module(s.module).split(".")[0] in PACKAGES]
+
+
+def folder_module(module: str) -> str:
+    """The module's name by folder: installed, the folders below hetsynth/'s siblings are
+    `hetsynth.planner`, `hetsynth.runtime` ... (pyproject's package-dir); `hetsynth.planner.x`
+    is the file planner/x.py."""
+    parts = module.split(".")
+    if parts[0] == "hetsynth" and len(parts) > 1 and parts[1] in PACKAGES[:-1]:
+        return ".".join(parts[1:])
+    return module
 
 
 def project_files(root: Path) -> list[Path]:

@@ -14,7 +14,7 @@ import pytest
 
 import hetsynth
 from hetsynth.cli import main
-from runtime.runstate import remove_dead_runs
+from hetsynth.runtime.runstate import remove_dead_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATED = ROOT / "configs" / "clusters" / "local-emulated.toml"

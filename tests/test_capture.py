@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetsynth import capture_model
-from instruction_set.interpret import graph_inputs, run_graph
-from instruction_set.models import parse_model_ref
-from instruction_set.rules import is_supported
-from planner.capture import CaptureError, UnsupportedOpsError, capture, summarize
+from hetsynth.instruction_set.interpret import graph_inputs, run_graph
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.rules import is_supported
+from hetsynth.planner.capture import CaptureError, UnsupportedOpsError, capture, summarize
 
 ZOO_TINY = ["gpt:tiny", "bert:tiny", "vit:tiny", "vgg:tiny", "moe:tiny"]
 
@@ -203,9 +203,9 @@ def _canonical(graph: Any) -> list[str]:
 @pytest.mark.parametrize("ref, local", [("gpt:tiny", True), ("vgg:tiny", True), ("moe:tiny", True),
                                         ("hf:llama", True), ("resnet:tiny", False)])
 def test_local_decomposition_equals_the_retrace(ref: str, local: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """planner.decompose_local gives the graph run_decompositions gives (ops, arguments,
+    """hetsynth.planner.decompose_local gives the graph run_decompositions gives (ops, arguments,
     shapes, places, FLOPs); a graph with mutations (BatchNorm's buffers) takes the retrace."""
-    import planner.lower as lower
+    import hetsynth.planner.lower as lower
 
     used = []
     real = lower.decompose_locally

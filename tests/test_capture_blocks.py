@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from instruction_set.models import parse_model_ref
-from planner import block_capture
-from planner.capture import capture
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.planner import block_capture
+from hetsynth.planner.capture import capture
 
 MODELS = ["gpt:tiny,num_layers=7", "bert:tiny,num_layers=6", "vit:tiny,num_layers=6"]
 if importlib.util.find_spec("transformers") is not None:
@@ -40,7 +40,7 @@ def test_block_capture_equals_whole(ref: str, monkeypatch: pytest.MonkeyPatch) -
     def counted(trace, path, num):  # type: ignore[no-untyped-def]
         return by_blocks(lambda k: traced.append(k) or trace(k), path, num)
 
-    monkeypatch.setattr("planner.capture.by_blocks", counted)
+    monkeypatch.setattr("hetsynth.planner.capture.by_blocks", counted)
     blocks, whole = _both(model, spec.example_inputs("meta"), ref)
     assert traced == [2, 3, 4]  # assembled, not the fallback
     assert blocks.nodes == whole.nodes and blocks.loss == whole.loss
@@ -76,7 +76,7 @@ class _Indexed(_Scaled):
 
 @pytest.mark.parametrize("cls", [_Scaled, _Indexed])
 def test_unreplicable_blocks_fall_back(cls: type, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="planner.capture"):
+    with caplog.at_level(logging.INFO, logger="hetsynth.planner.capture"):
         blocks, whole = _both(cls(7), (torch.randn(4, 8),))
     assert blocks.model_dump() == whole.model_dump()
     assert "the whole model is traced" in caplog.text

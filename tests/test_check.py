@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from instruction_set.precision import float_everywhere, lowered_ops_recorded
-from runtime.check import compare, dtype_tolerances, tensor_difference
+from hetsynth.instruction_set.precision import float_everywhere, lowered_ops_recorded
+from hetsynth.runtime.check import compare, dtype_tolerances, tensor_difference
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
@@ -120,10 +120,10 @@ def test_check_of_a_model_with_a_float32_only_op(pools) -> None:
     """`run --check`'s comparisons (on a pool of 2 ranks) for a model whose op refuses
     float64: the twin runs it in float32, the check names it and passes at float32's
     tolerance, no traceback."""
-    from instruction_set.cluster import load_cluster
-    from planner.planner import make_plan
-    from runtime.check import check_on_pool
-    from runtime.config import TrainConfig
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.planner import make_plan
+    from hetsynth.runtime.check import check_on_pool
+    from hetsynth.runtime.config import TrainConfig
     import hetsynth
 
     graph = hetsynth.capture_model(f"{Path(__file__).resolve()}:float32_only_model", allow_replicate_fallback=True)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from instruction_set.models import parse_model_ref
-from runtime.config import TrainConfig
-from runtime.train import reference_training
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import reference_training
 from test_parity import make
 
 REF = "gpt:tiny,dtype=float64"
@@ -20,9 +20,9 @@ FIRST, LATER = TrainConfig(steps=3, lr=1e-2), TrainConfig(steps=5, lr=1e-2)
 def save_worker(rank: int, world: int, plan, config: TrainConfig, path: str) -> list[float]:
     import torch.distributed as dist
 
-    from runtime.checkpoint import save_checkpoint
-    from runtime.groups import Groups
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.checkpoint import save_checkpoint
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     losses = [train_step(trainer, s).loss for s in range(config.steps)]
@@ -33,9 +33,9 @@ def save_worker(rank: int, world: int, plan, config: TrainConfig, path: str) -> 
 def resume_worker(rank: int, world: int, plan, config: TrainConfig, path: str) -> list[float]:
     import torch.distributed as dist
 
-    from runtime.checkpoint import load_checkpoint
-    from runtime.groups import Groups
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.checkpoint import load_checkpoint
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     start = load_checkpoint(trainer, path)

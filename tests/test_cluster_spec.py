@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from instruction_set.cluster import ClusterSpecError, cluster_from_dict, dump_cluster_toml, load_cluster
+from hetsynth.instruction_set.cluster import ClusterSpecError, cluster_from_dict, dump_cluster_toml, load_cluster
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 

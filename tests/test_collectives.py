@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from instruction_set.mesh import Mesh
-from runtime.collectives import (Span, all_gather, all_reduce, all_reduce_max, all_to_all,
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.runtime.collectives import (Span, all_gather, all_reduce, all_reduce_max, all_to_all,
                                  partial, reduce_scatter, slice_rows)
-from runtime.groups import Groups
+from hetsynth.runtime.groups import Groups
 
 LENGTHS = {2: [(3, 2), (0, 4), (5, 0)], 4: [(2, 1, 0, 3), (1, 1, 1, 1), (0, 0, 5, 2)]}
 
@@ -123,7 +123,7 @@ def test_slice_and_partial_backward(pools) -> None:
 
 
 def group_timeouts(rank: int, world: int) -> list[float]:
-    from runtime.groups import group_timeout
+    from hetsynth.runtime.groups import group_timeout
 
     groups = Groups.create(Mesh(2, world // 2, True), rank, world=dist.group.WORLD)
     return [group_timeout(groups.group(a)).total_seconds() for a in ("all", "inner", "outer")]
@@ -139,7 +139,7 @@ def test_poster_posts_in_order_and_hands_errors_to_the_waiter() -> None:
     the calling thread; an error in one reaches whoever waits it, and the next still runs."""
     import threading
 
-    from runtime.collectives.ring import Poster
+    from hetsynth.runtime.collectives.ring import Poster
 
     poster, seen = Poster(), []
 
@@ -160,7 +160,7 @@ def test_poster_posts_in_order_and_hands_errors_to_the_waiter() -> None:
 def test_copy_beside_copies_off_the_calling_thread_into_a_no_grad_view() -> None:
     """ring.copy_beside (the fused all-gather's own rows): the copy lands in a view made under
     no_grad, as inside an autograd forward, although grad mode is on in the poster thread."""
-    from runtime.collectives.ring import copy_beside
+    from hetsynth.runtime.collectives.ring import copy_beside
 
     src = torch.arange(12.0, dtype=torch.float64).reshape(4, 3).requires_grad_()
     with torch.no_grad():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.comm import CommModel, collective_terms
-from instruction_set.cluster import load_cluster
+from hetsynth.cost_models.comm import CommModel, collective_terms
+from hetsynth.instruction_set.cluster import load_cluster
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 D = 1.0  # seconds of the whole tensor at beta
@@ -72,8 +72,8 @@ def _ring_paths(kind: str, monkeypatch: pytest.MonkeyPatch, g: int = 4) -> dict[
     their lengths 1..g."""
     import torch
 
-    from runtime.collectives import gather, ring, scatter
-    from runtime.collectives.span import Span
+    from hetsynth.runtime.collectives import gather, ring, scatter
+    from hetsynth.runtime.collectives.span import Span
 
     paths: dict[int, set[frozenset]] = {j: set() for j in range(g)}
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from hetsynth.cli import build_parser
-from runtime import worker
-from runtime.config import TrainConfig, train_config
+from hetsynth.runtime import worker
+from hetsynth.runtime.config import TrainConfig, train_config
 
 
 def test_cli_and_worker_defaults_are_train_configs() -> None:

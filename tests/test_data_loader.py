@@ -18,14 +18,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from hetsynth import capture_model
 from hetsynth.data import loader
-from instruction_set.cluster import load_cluster
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.pipeline import block_starts, make_pipeline_plan
-from planner.planner import DP_SEED, make_plan
-from planner.problem import Restrictions
-from runtime.data_loader import InputSpec, rank_loader
-from runtime.input_rows import input_rows
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.pipeline import block_starts, make_pipeline_plan
+from hetsynth.planner.planner import DP_SEED, make_plan
+from hetsynth.planner.problem import Restrictions
+from hetsynth.runtime.data_loader import InputSpec, rank_loader
+from hetsynth.runtime.input_rows import input_rows
 from test_parity import CLUSTER, make
 
 REF = "gpt:tiny,dtype=float64"

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hetsynth.checkpoint import export, export_state_dict
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.planner import DP_SEED
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.planner import DP_SEED
 from test_parity import make
 
 REF = "gpt:tiny,dtype=float64"
@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, plan: Plan, path: str, load: bool, first: int
     assert plan.model.batch_size == parse_model_ref(plan.model.ref).batch_size
     import hetsynth.checkpoint as ckpt
     from hetsynth import parallelize
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     spec = parse_model_ref(plan.model.ref)
     torch.manual_seed(1 if load else 0)  # a loaded run starts from other values
@@ -92,7 +92,7 @@ def _plan_b(kind: str) -> Plan:
     """4 ranks: ZeRO-2 at ratios 0.4/0.3/0.2/0.1, the planner's choice at those ratios, or a
     pipeline of 2 stages (0.7/0.3 | 0.5/0.5, GPT's embedding tied across them)."""
     import hetsynth
-    from instruction_set.schedule import Schedule
+    from hetsynth.instruction_set.schedule import Schedule
     from test_pipeline_parity import pipeline_plans
 
     if kind == "pipeline":
@@ -164,7 +164,7 @@ def test_hf_export_with_tied_weights(pools, tmp_path) -> None:
     from safetensors.torch import load_file
 
     from hetsynth.cli import main
-    from runtime.dcp import read_record
+    from hetsynth.runtime.dcp import read_record
 
     ref = "hf-gpt2:tiny,dtype=float64"
     want = pools.get(2).run(_save_worker, make(ref, [0.7, 0.3]), str(tmp_path / "ckpt"), timeout_s=300)[0]
@@ -205,7 +205,7 @@ def test_export_refuses_to_overwrite_the_checkpoint(saved, capsys) -> None:
 
 
 def test_another_model_refused(pools, saved) -> None:
-    from runtime.pool import PoolError
+    from hetsynth.runtime.pool import PoolError
 
     path, _ = saved
     plan = make("bert:tiny", [0.5, 0.5], DP_SEED)

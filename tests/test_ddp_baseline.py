@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from instruction_set.models import parse_model_ref
-from runtime.config import TrainConfig
-from runtime.train import reference_training
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import reference_training
 
 CONFIG = TrainConfig(steps=4, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 
@@ -19,7 +19,7 @@ CONFIG = TrainConfig(steps=4, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 def ddp_worker(rank: int, world: int, ref: str, rows: tuple[int, ...], weighted: bool) -> tuple:
     import torch.distributed as dist
 
-    from runtime.ddp import ddp_parameters, ddp_setup
+    from hetsynth.runtime.ddp import ddp_parameters, ddp_setup
 
     trainer = ddp_setup(parse_model_ref(ref), rows, CONFIG, group=dist.group.WORLD, rank=rank, weighted=weighted)
     losses = [trainer.step(step).loss for step in range(CONFIG.steps)]
@@ -51,18 +51,18 @@ def test_unweighted_uneven_rows_do_not(pools) -> None:
 
 
 def test_a_rank_without_rows_is_refused() -> None:
-    from runtime.ddp import DDPSetupError, ddp_setup
+    from hetsynth.runtime.ddp import DDPSetupError, ddp_setup
 
     with pytest.raises(DDPSetupError, match=r"at least one row per rank; rows \[8, 0\]"):
         ddp_setup(parse_model_ref("gpt:tiny"), (8, 0), CONFIG, group=None, rank=0, weighted=True)
 
 
 def test_compare_ddp_entries_parse_and_take_a_plans_rows() -> None:
-    from instruction_set.cluster import load_cluster
+    from hetsynth.instruction_set.cluster import load_cluster
     from hetsynth import capture_model
-    from planner import baselines
-    from planner.planner import make_plan
-    from runtime.compare import parse_ddp, parse_user, plan_rows
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import make_plan
+    from hetsynth.runtime.compare import parse_ddp, parse_user, plan_rows
 
     assert parse_ddp("ddp_cp=weighted:/tmp/p.json") == ("ddp_cp", "weighted", "/tmp/p.json")
     with pytest.raises(ValueError, match="MODE one of mean, weighted"):

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.device_classes import DeviceClasses
-from cost_models.linear_cost import LinearCost
-from cost_models.memory import MemoryTerm
-from cost_models.terms import Cost, Form, Shares, Term
+from hetsynth.cost_models.device_classes import DeviceClasses
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.memory import MemoryTerm
+from hetsynth.cost_models.terms import Cost, Form, Shares, Term
 import hetsynth
-from instruction_set.cluster import load_cluster
-from planner import baselines
-from planner.step_cost import program_terms
-from planner.problem import Problem
-from planner.ratios import solve_ratios
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.planner import baselines
+from hetsynth.planner.step_cost import program_terms
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.ratios import solve_ratios
 
 HAP = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "hap-paper.toml"
 

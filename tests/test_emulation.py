@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from instruction_set.cluster import cluster_from_dict, load_cluster
-from runtime.emulation import Emulation, assign_cpus, leftovers, shaper, unavailable
+from hetsynth.instruction_set.cluster import cluster_from_dict, load_cluster
+from hetsynth.runtime.emulation import Emulation, assign_cpus, leftovers, shaper, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
@@ -47,7 +47,7 @@ c.close()
 
 BURN = """
 import os, json, time, torch
-from runtime.emulation import join_device
+from hetsynth.runtime.emulation import join_device
 join_device(); torch.set_num_threads(1)
 a = torch.randn(256, 256); n = 0; start = time.perf_counter()
 while time.perf_counter() - start < 3.0:
@@ -130,7 +130,7 @@ def test_compute_ratio_matches_quotas() -> None:
 
 THREADS = """
 import os, threading, time
-from runtime.emulation import join_device
+from hetsynth.runtime.emulation import join_device
 engine = join_device()
 stop = threading.Event()
 worker = threading.Thread(target=stop.wait)   # a thread made after joining, as gloo's are
@@ -187,13 +187,13 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     the run."""
 
     from hetsynth import capture_model
-    from instruction_set.models import parse_model_ref
-    from instruction_set.plan import save_plan
-    from planner import baselines
-    from planner.planner import make_plan
-    from runtime.launch import launch
-    from runtime.config import TrainConfig
-    from runtime.train import reference_training
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.instruction_set.plan import save_plan
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import make_plan
+    from hetsynth.runtime.launch import launch
+    from hetsynth.runtime.config import TrainConfig
+    from hetsynth.runtime.train import reference_training
 
     ref = "gpt:tiny,dtype=float64"
     graph = capture_model(ref)
@@ -203,7 +203,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
     for name, plan in plans.items():
         save_plan(plan, tmp_path / f"{name}.json")
     report = tmp_path / "report.json"
-    rc, failure = launch(SPEC, ["-m", "runtime.compare", "--plans", *(str(tmp_path / f"{n}.json") for n in plans),
+    rc, failure = launch(SPEC, ["-m", "hetsynth.runtime.compare", "--plans", *(str(tmp_path / f"{n}.json") for n in plans),
                                 "--names", *plans, "--ddp", f"ddp=weighted:{tmp_path / 'ev.json'}",
                                 "--user", f"user={tmp_path / 'het.json'}",
                                 "--warmup", "1", "--rounds", "1", "--steps", "2",
@@ -222,7 +222,7 @@ def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> Non
 CGROUP_PROBE = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from runtime.emulation import join_device
+from hetsynth.runtime.emulation import join_device
 join_device()
 cpu = [f[2] for f in (line.strip().split(":", 2) for line in open("/proc/self/cgroup")) if "cpu" in f[1].split(",")][0]
 with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w") as out:
@@ -234,7 +234,7 @@ with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w") as out:
 def test_a_one_node_emulated_cluster_is_emulated(tmp_path: Path) -> None:
     """A cluster of one node with an `emulation` section runs its workers in their devices'
     cgroups, each on one CPU (it ran them as plain processes at a whole CPU each before)."""
-    from runtime.launch import launch
+    from hetsynth.runtime.launch import launch
 
     raw = SPEC.model_dump(mode="json")
     raw["devices"] = [{"name": "n/0", "kind": "cpu-fast"}, {"name": "n/1", "kind": "cpu-fast"}]
@@ -251,8 +251,8 @@ def test_a_one_node_emulated_cluster_is_emulated(tmp_path: Path) -> None:
 
 HOLD = """
 import time
-from instruction_set.cluster import load_cluster
-from runtime.emulation import Emulation
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.runtime.emulation import Emulation
 with Emulation(load_cluster("configs/clusters/local-emulated.toml")):
     print("up", flush=True)
     time.sleep(60)
@@ -273,10 +273,10 @@ def test_sigterm_removes_the_emulation() -> None:
 
 @needs_root
 def test_model_timed_on_the_emulated_devices() -> None:
-    """profiling.model_timing: every device times its rows (throughput-proportional, adding up
+    """hetsynth.profiling.model_timing: every device times its rows (throughput-proportional, adding up
     to the batch); per row the slow kind (a quarter CPU) takes at least about the quota ratio
     longer than the fast one (half a CPU); nothing is left behind."""
-    from profiling.model_timing import time_on_cluster
+    from hetsynth.profiling.model_timing import time_on_cluster
 
     before = leftovers()
     records = time_on_cluster("gpt:tiny,batch_size=96", SPEC, seconds=0.2)
@@ -293,7 +293,7 @@ def test_name_of_a_leftover_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> No
     makes the emulation take the next name instead of failing with `File exists`."""
     import os
 
-    from runtime import emulation
+    from hetsynth.runtime import emulation
 
     pid = os.getpid()
     monkeypatch.setattr(emulation, "leftovers", lambda: {"namespaces": [f"hse{pid}n1"], "cgroups": [],

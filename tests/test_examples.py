@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from instruction_set.cluster import dump_cluster_toml, load_cluster
+from hetsynth.instruction_set.cluster import dump_cluster_toml, load_cluster
 from test_launch import ROOT, hetsynth_cli
 
 EXAMPLES = ROOT / "examples"

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from instruction_set.cluster import load_cluster
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import Shard
-from instruction_set.mesh import Mesh
-from planner.capture import summarize
-from planner.planner import make_plan
-from planner.problem import Restrictions
-from runtime.check import check_on_pool, tensor_difference
-from runtime.config import TrainConfig
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import Shard
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.planner.capture import summarize
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import Restrictions
+from hetsynth.runtime.check import check_on_pool, tensor_difference
+from hetsynth.runtime.config import TrainConfig
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 RATIOS = [0.4, 0.3, 0.2, 0.1]
@@ -59,9 +59,9 @@ def test_batchnorm_running_statistics_match_single_device(pools) -> None:
     """The ResNet's BatchNorm buffers after 3 steps with every BatchNorm split by batch (its
     statistics Partial, all-reduced, SyncBatchNorm-style: at this size the planner itself
     prefers other layouts), float64."""
-    from runtime.check import pool_worker
-    from runtime.rank_state import assemble
-    from runtime.train import plan_reference
+    from hetsynth.runtime.check import pool_worker
+    from hetsynth.runtime.rank_state import assemble
+    from hetsynth.runtime.train import plan_reference
 
     ref = "resnet:tiny,dtype=float64"
     graph = hetsynth.capture_model(ref)

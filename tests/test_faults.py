@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from instruction_set.cluster import load_cluster
-from runtime.emulation import leftovers
-from runtime.runstate import state_dir
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.runtime.emulation import leftovers
+from hetsynth.runtime.runstate import state_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
@@ -97,8 +97,8 @@ def test_rank_error_is_the_failure_line(plans: dict[str, str]) -> None:
 def test_rank_checks_its_output_paths_before_training(plans: dict[str, str]) -> None:
     """The ranks check --save themselves (the per-node commands of a multi-node cluster skip
     the launcher's checks): the launcher's failure line carries rank 0's message, no step ran."""
-    from runtime.config import TrainConfig
-    from runtime.launch import RunOptions, launch, worker_args
+    from hetsynth.runtime.config import TrainConfig
+    from hetsynth.runtime.launch import RunOptions, launch, worker_args
 
     opts = RunOptions(train=TrainConfig(steps=3), save="/proc/ck.pt")
     rc, failure = launch(CLUSTER.first(2), worker_args(plans["single-level"], opts, "/dev/null", None), timeout_s=30)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from instruction_set.models import parse_model_ref
-from runtime.config import TrainConfig
-from runtime.fsdp import even_rows, proportional_rows
-from runtime.train import reference_training
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.fsdp import even_rows, proportional_rows
+from hetsynth.runtime.train import reference_training
 
 CONFIG = TrainConfig(steps=3, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 REF = "gpt:tiny,dtype=float64,batch_size=8"
@@ -19,7 +19,7 @@ REF = "gpt:tiny,dtype=float64,batch_size=8"
 def fsdp_worker(rank: int, world: int, ref: str, rows: tuple[int, ...], checkpoint: bool) -> tuple:
     import torch.distributed as dist
 
-    from runtime.fsdp import fsdp_parameters, fsdp_setup
+    from hetsynth.runtime.fsdp import fsdp_parameters, fsdp_setup
 
     trainer = fsdp_setup(parse_model_ref(ref), rows, CONFIG, group=dist.group.WORLD, rank=rank, weighted=True,
                          checkpoint=checkpoint)

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.collectives.fused import ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring, matmul_rs_sliced
-from runtime.collectives.span import Span
-from runtime.fused_ops import AGLinear, LinearRS
+from hetsynth.runtime.collectives.fused import ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring, matmul_rs_sliced
+from hetsynth.runtime.collectives.span import Span
+from hetsynth.runtime.fused_ops import AGLinear, LinearRS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -112,7 +112,7 @@ def _tp_plan(ref: str, ratios: list[float], **restrict: object) -> "Plan":
     reads an all-gathered activation, every fc2's Partial is reduce-scattered; fusion forced."""
     from test_parity import make, nodes
     from hetsynth import capture_model
-    from planner.problem import Restrictions
+    from hetsynth.planner.problem import Restrictions
 
     graph = capture_model(ref)
     force = {n: "S2" for n in nodes(graph, "aten.linear.default", "fc1")}
@@ -129,7 +129,7 @@ PLANS = [("gpt", [0.55, 0.45], {}), ("gpt", [0.5, 0.0, 0.5], {"variants": {"ag_m
 @pytest.mark.parametrize("model,ratios,restrict", PLANS)
 def test_fused_instructions_in_plans_train_like_one_device(pools, model, ratios, restrict) -> None:
     from test_parity import check
-    from planner.planner import without_fusion
+    from hetsynth.planner.planner import without_fusion
 
     plan = _tp_plan(f"{model}:tiny,dtype=float64", ratios, **restrict)
     fused = [i for i in plan.instructions if i.kind in ("ag_matmul", "matmul_rs")]

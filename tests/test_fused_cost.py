@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.fused import Ring, ring_cost, sliced_cost
-from cost_models.terms import seconds
+from hetsynth.cost_models.fused import Ring, ring_cost, sliced_cost
+from hetsynth.cost_models.terms import seconds
 
 
 def ring(gamma: float = 0.0, per_message: float = 0.0) -> Ring:

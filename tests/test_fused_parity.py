@@ -30,8 +30,8 @@ from typing import Callable
 
 import pytest
 
-from instruction_set.graph import ReferenceGraph
-from instruction_set.plan import Plan
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_parity import CONFIG, make, nodes, train_worker  # noqa: E402
@@ -132,7 +132,7 @@ def ref(case: str) -> str:
 
 def fused_plan(model: str, ratios: list[float], variants: dict | None = None) -> Plan:
     from hetsynth import capture_model
-    from planner.problem import Restrictions
+    from hetsynth.planner.problem import Restrictions
 
     r = ref(model)
     restrict = Restrictions(force=FORCE[model](capture_model(r)), two_level=False, force_fusion=True,
@@ -142,15 +142,15 @@ def fused_plan(model: str, ratios: list[float], variants: dict | None = None) ->
 
 def trained(pools, plan: Plan) -> tuple[list[float], dict]:
     """(global losses, reassembled parameters) after CONFIG's steps of `plan` on a pool."""
-    from runtime.rank_state import assemble
+    from hetsynth.runtime.rank_state import assemble
 
     results = pools.get(plan.cluster.num_devices).run(train_worker, plan, CONFIG, timeout_s=600)
     return results[0][0], assemble(plan, [r[1] for r in results])
 
 
 def single_device(plan: Plan) -> tuple[list[float], dict]:
-    from instruction_set.models import parse_model_ref
-    from runtime.train import reference_training
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.runtime.train import reference_training
 
     spec = parse_model_ref(plan.model.ref)
     return reference_training(spec, spec.batch_size, CONFIG)
@@ -181,7 +181,7 @@ def check_fused(pools, model: str, world: int, shape: str, variants: dict | None
     assert {i.kind for i in fused} >= KINDS[model], [i.describe() for i in plan.instructions]
     if variants:
         assert all(i.variant in variants[i.kind] for i in fused), [i.describe() for i in fused]
-    from planner.planner import without_fusion
+    from hetsynth.planner.planner import without_fusion
 
     got = trained(pools, plan)
     loss, param = errors(got, trained(pools, without_fusion(plan)) if model in FLOAT32_INSIDE else single_device(plan))
@@ -223,7 +223,7 @@ def test_hf_gpt2_blocks_have_no_fusable_pair() -> None:
     viewed back to 3-d before the reduce-scatter: in a sequence-parallel tensor-parallel plan the
     all-gathers feed addmm and the reduce-scatters follow views, and nothing is fused."""
     from hetsynth import capture_model
-    from planner.problem import Restrictions
+    from hetsynth.planner.problem import Restrictions
 
     r = ref("hf-gpt2")
     g = capture_model(r)

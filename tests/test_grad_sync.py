@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth import capture_model
-from instruction_set.plan import Plan
-from instruction_set.sync import assign_buckets, first_uses, gradient_sync
-from planner import baselines
-from planner.planner import make_plan
-from planner.problem import Restrictions
-from runtime.config import TrainConfig
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.sync import assign_buckets, first_uses, gradient_sync
+from hetsynth.planner import baselines
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import Restrictions
+from hetsynth.runtime.config import TrainConfig
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
@@ -62,8 +62,8 @@ def test_plan_with_buckets_missing_a_gradient_is_refused() -> None:
 def sync_worker(rank: int, world: int, plan: Plan, steps: int) -> list:
     import torch.distributed as dist
 
-    from runtime.groups import Groups
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), TrainConfig(steps=steps))
     return [(log.phases["backward"] + log.phases["forward"], log.buckets)
@@ -98,8 +98,8 @@ def test_two_level_plan_gets_every_expected_gradient(pools) -> None:
 def test_cost_model_counts_the_runtime_stages() -> None:
     """The cost model's messages per bucket (instruction_set.sync.SYNC_MESSAGES, each charged
     the measured per-message CPU) are the stages the runtime issues."""
-    from instruction_set.sync import SYNC_MESSAGES
-    from runtime.grad_sync import STAGES
+    from hetsynth.instruction_set.sync import SYNC_MESSAGES
+    from hetsynth.runtime.grad_sync import STAGES
 
     assert {v: len(s) for v, s in STAGES.items()} == SYNC_MESSAGES
 
@@ -122,7 +122,7 @@ class _FutureLessWork:
 
 
 def test_a_futureless_stage_is_waited_once_and_then_done() -> None:
-    from runtime.grad_sync import Pending
+    from hetsynth.runtime.grad_sync import Pending
 
     work = _FutureLessWork()
     pending = Pending(work)
@@ -136,7 +136,7 @@ def test_a_futureless_stage_is_waited_once_and_then_done() -> None:
 def test_a_stage_with_a_future_chains_its_callback() -> None:
     import torch
 
-    from runtime.grad_sync import Pending
+    from hetsynth.runtime.grad_sync import Pending
 
     class Work:
         def __init__(self) -> None:
@@ -161,9 +161,9 @@ def stages_worker(rank: int, world: int) -> list:
     import torch
     import torch.distributed as dist
 
-    from cost_models.comm import comm_mesh
-    from runtime.grad_sync import STAGES, Pending
-    from runtime.groups import Groups
+    from hetsynth.cost_models.comm import comm_mesh
+    from hetsynth.runtime.grad_sync import STAGES, Pending
+    from hetsynth.runtime.groups import Groups
 
     groups = Groups.create(comm_mesh(load_cluster(CLUSTER)), rank, world=dist.group.WORLD)
     out = []

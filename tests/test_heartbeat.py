@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.heartbeat import Heartbeat, RankStatus, diagnose, read_status
-from runtime.runstate import start_ticks
+from hetsynth.runtime.heartbeat import Heartbeat, RankStatus, diagnose, read_status
+from hetsynth.runtime.runstate import start_ticks
 
 ALIVE = os.getpid()
 

@@ -13,13 +13,13 @@ from torch import nn
 
 from hetsynth import plan
 from hetsynth.zoo.hf import LossOnly
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.interpret import graph_inputs, run_graph
-from instruction_set.layouts import P, R, Layout
-from instruction_set.models import parse_model_ref
-from instruction_set.rules import is_supported, rules_for
-from instruction_set.rules.moe import flop_formulas
-from planner.capture import capture
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.interpret import graph_inputs, run_graph
+from hetsynth.instruction_set.layouts import P, R, Layout
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.rules import is_supported, rules_for
+from hetsynth.instruction_set.rules.moe import flop_formulas
+from hetsynth.planner.capture import capture
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")  # defines the transformers:: grouped-matmul ops

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.graph import Node, ReferenceGraph, TensorMeta
-from instruction_set.models import parse_model_ref
-from instruction_set.schedule import Schedule
-from planner import pipeline as pipeline_module
-from planner.graph_match import MicroGraphMismatch, aligned
-from planner.microbatch import capture_at, classify, micro_graphs
-from planner.pipeline import block_starts, make_pipeline_plan
-from planner.planner import make_plan
-from runtime.config import TrainConfig
-from runtime.train import plan_reference
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.schedule import Schedule
+from hetsynth.planner import pipeline as pipeline_module
+from hetsynth.planner.graph_match import MicroGraphMismatch, aligned
+from hetsynth.planner.microbatch import capture_at, classify, micro_graphs
+from hetsynth.planner.pipeline import block_starts, make_pipeline_plan
+from hetsynth.planner.planner import make_plan
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import plan_reference
 
 pytest.importorskip("transformers")
 
@@ -79,7 +79,7 @@ CONFIG = TrainConfig(steps=2, optimizer="adamw", lr=1e-2, max_grad_norm=1.0, dty
 
 def _train(rank: int, world: int, plan, config: TrainConfig) -> tuple:
     import torch.distributed as dist
-    from runtime.pipeline.trainer import local_parameters, setup, train_step
+    from hetsynth.runtime.pipeline.trainer import local_parameters, setup, train_step
 
     trainer = setup(plan, rank, config, world=dist.group.WORLD)
     return [train_step(trainer, step) for step in range(config.steps)], local_parameters(trainer)
@@ -99,7 +99,7 @@ def llama_plan():
 @pytest.mark.timeout(300)
 def test_llama_pipeline_with_a_micro_batch_of_one_trains_exactly(pools, llama_plan) -> None:
     """Loss and reassembled parameters as one device's, in float64."""
-    from runtime.pipeline.trainer import assemble
+    from hetsynth.runtime.pipeline.trainer import assemble
 
     assert llama_plan.pipeline.micro_batches == (1, 1, 1, 1) and not llama_plan.pipeline.coupled
     results = pools.get(4).run(_train, llama_plan, CONFIG, timeout_s=240)

@@ -24,13 +24,13 @@ import torch
 import hetsynth
 from hetsynth import capture_model
 from hetsynth.cli import main
-from instruction_set.cluster import load_cluster
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.model_check import ModelChangedError, check_model_unchanged
-from planner.planner import make_plan
-from runtime.config import TrainConfig
-from runtime.train import ModelMismatchError, NonFiniteError, check_finite, check_state, initial_state
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.model_check import ModelChangedError, check_model_unchanged
+from hetsynth.planner.planner import make_plan
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import ModelMismatchError, NonFiniteError, check_finite, check_state, initial_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "configs" / "clusters" / "local-emulated.toml"
@@ -141,8 +141,8 @@ def test_check_finite_names_the_step_and_the_values() -> None:
 
 def _spmd_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> str:
     import torch.distributed as dist
-    from runtime.groups import Groups
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     return _until_non_finite(lambda step: train_step(trainer, step), config.steps)
@@ -172,14 +172,14 @@ def test_spmd_training_stops_at_a_non_finite_step(pools, clip: float | None) -> 
 
 def _pipeline_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> str:
     import torch.distributed as dist
-    from runtime.pipeline.trainer import setup, train_step
+    from hetsynth.runtime.pipeline.trainer import setup, train_step
 
     trainer = setup(plan, rank, config, world=dist.group.WORLD)
     return _until_non_finite(lambda step: train_step(trainer, step), config.steps)
 
 
 def test_pipeline_training_stops_at_a_non_finite_step(pools) -> None:
-    from planner.pipeline import block_starts, make_pipeline_plan
+    from hetsynth.planner.pipeline import block_starts, make_pipeline_plan
 
     graph = capture_model("gpt:tiny")
     spmd = make_plan(graph, load_cluster(CLUSTER).first(2), ratios=[1.0, 1.0], width=8, progress=False,

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from cost_models.comm import FORMULAS
-from instruction_set import kinds as K
-from instruction_set.kinds import Category, InstructionKind, MissingImplementation, Phase, conversion_kind
-from instruction_set.layouts import PlacementKind
-from instruction_set.plan import PlanError, plan_from_json
-from instruction_set.program import Instruction
-from planner.evaluate import TERMS, instruction_term
-from planner.problem import Problem
-from runtime.codegen import EMITTERS, build_rank_program
-from runtime.conversions import CONVERSIONS
-from runtime.groups import Groups
+from hetsynth.cost_models.comm import FORMULAS
+from hetsynth.instruction_set import kinds as K
+from hetsynth.instruction_set.kinds import Category, InstructionKind, MissingImplementation, Phase, conversion_kind
+from hetsynth.instruction_set.layouts import PlacementKind
+from hetsynth.instruction_set.plan import PlanError, plan_from_json
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.planner.evaluate import TERMS, instruction_term
+from hetsynth.planner.problem import Problem
+from hetsynth.runtime.codegen import EMITTERS, build_rank_program
+from hetsynth.runtime.conversions import CONVERSIONS
+from hetsynth.runtime.groups import Groups
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "a100-t4.toml"
 
@@ -42,8 +42,8 @@ def test_every_layout_change_has_a_conversion_and_every_collective_variant_a_for
 
 
 def test_the_runtime_implements_every_gather_and_scatter_variant_and_the_profiler_times_kinds() -> None:
-    from profiling.profiler import CASES
-    from runtime.collectives import COLLECTIVE_VARIANTS
+    from hetsynth.profiling.profiler import CASES
+    from hetsynth.runtime.collectives import COLLECTIVE_VARIANTS
 
     for name in ("all_gather", "reduce_scatter"):
         assert COLLECTIVE_VARIANTS.missing([(name, Phase.FORWARD, v) for v in K.kind(name).variants]) == []
@@ -53,7 +53,7 @@ def test_the_runtime_implements_every_gather_and_scatter_variant_and_the_profile
 
 
 def test_storage_kinds_are_the_graph_input_ops() -> None:
-    from instruction_set.graph import Node
+    from hetsynth.instruction_set.graph import Node
 
     ops = set(Node.model_fields["op"].annotation.__args__) - {"call"}
     assert {k.name for k in K.kinds(Category.STORAGE)} == ops
@@ -108,7 +108,7 @@ def test_a_plan_with_an_unknown_kind_does_not_load(plan: hetsynth.Plan) -> None:
 
 
 def test_fused_variants_name_their_slices_and_unknown_ones_fail() -> None:
-    from instruction_set.kinds import FUSED_VARIANTS, fused_slices
+    from hetsynth.instruction_set.kinds import FUSED_VARIANTS, fused_slices
 
     assert [fused_slices(v) for v in FUSED_VARIANTS] == [0, 2, 4]
     with pytest.raises(ValueError, match="sliced3.*valid: ring, sliced2, sliced4"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import hetsynth
-from instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -35,7 +35,7 @@ def hetsynth_cli(*args: str, env: dict | None = None, timeout: float = 300) -> s
 
 def workers_alive(plan_path: str) -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "runtime.worker" in line and plan_path in line]
+    return [line for line in ps.splitlines() if "hetsynth.runtime.worker" in line and plan_path in line]
 
 
 def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -> None:
@@ -102,17 +102,17 @@ def test_multi_node_cluster_prints_node_commands(tmp_path: Path) -> None:
     assert out.stdout.count("torchrun --nnodes 2") == 1 and "--node-rank 1" in out.stdout
     # node 0 hosts the store through the agent that binds it to the address given only
     node0 = next(line for line in out.stdout.splitlines() if "--node-rank 0" in line)
-    assert "python -m runtime.agent --bind-store -- --nnodes 2" in node0
+    assert "python -m hetsynth.runtime.agent --bind-store -- --nnodes 2" in node0
 
 
 def test_a_node_command_agent_parses_without_a_launcher() -> None:
     """The printed node-0 command's agent: no --parent (nothing to die with), no --failures."""
     from torch.distributed.run import parse_args
 
-    from runtime import agent
+    from hetsynth.runtime import agent
 
     argv = ["--bind-store", "--", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
-            "--master-addr", "127.0.0.1", "--master-port", "0", "-m", "runtime.worker"]
+            "--master-addr", "127.0.0.1", "--master-port", "0", "-m", "hetsynth.runtime.worker"]
     args = agent.parse(argv)
     assert args.parent is None and args.failures is None and args.bind_store
     torchrun = parse_args(args.torchrun[1:])

@@ -19,10 +19,10 @@ import torch
 
 import hetsynth
 from hetsynth.cli import main
-from instruction_set.cluster import load_cluster
-from instruction_set.models import ModelRefError
-from runtime import emulation, launch
-from runtime.script_runner import RankPrefixed, exit_message
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import ModelRefError
+from hetsynth.runtime import emulation, launch
+from hetsynth.runtime.script_runner import RankPrefixed, exit_message
 from test_launch import ROOT, hetsynth_cli
 
 EMULATED = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml").first(2)
@@ -92,7 +92,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def runners_alive(script: str) -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "runtime.script_runner" in line and script in line]
+    return [line for line in ps.splitlines() if "hetsynth.runtime.script_runner" in line and script in line]
 
 
 def launched(files: dict[str, str], plan: str, tmp_path: Path, *options: str) -> list[dict]:

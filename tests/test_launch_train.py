@@ -124,10 +124,10 @@ RATIOS = [0.4, 0.3, 0.2, 0.1]
 
 def other_plans(module, inputs, tmp: Path) -> None:
     """A tensor-parallel plan (Megatron's restrictions) and a ZeRO-2 plan of the same module."""
-    from instruction_set.cluster import load_cluster
-    from planner.baselines import megatron_restrictions
-    from planner.capture import capture
-    from planner.planner import DP_SEED, make_plan
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.baselines import megatron_restrictions
+    from hetsynth.planner.capture import capture
+    from hetsynth.planner.planner import DP_SEED, make_plan
 
     cluster = load_cluster(CLUSTER)
     graph = capture(module, inputs, model_ref="TinyLM")

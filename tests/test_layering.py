@@ -38,9 +38,9 @@ def _append(path: Path, text: str) -> int:
 @pytest.mark.parametrize(("file", "text", "package", "module", "allowed"), [
     ("instruction_set/layouts.py", "def _late():\n    from hetsynth import plan", "instruction_set",
      "hetsynth", "nothing of the project"),
-    ("runtime/train.py", "def _late():\n    from planner import baselines", "runtime", "planner",
+    ("runtime/train.py", "def _late():\n    from hetsynth.planner import baselines", "runtime", "planner",
      "instruction_set"),
-    ("cost_models/comm.py", "import runtime.groups", "cost_models", "runtime.groups", "instruction_set"),
+    ("cost_models/comm.py", "import hetsynth.runtime.groups", "cost_models", "runtime.groups", "instruction_set"),
 ])
 def test_upward_import_in_a_scratch_copy_fails(tmp_path: Path, file: str, text: str, package: str,
                                                module: str, allowed: str) -> None:
@@ -56,7 +56,7 @@ def test_upward_import_in_a_scratch_copy_fails(tmp_path: Path, file: str, text: 
 def test_cycle_in_a_scratch_copy_fails(tmp_path: Path) -> None:
     """plan.py imports graph.py; graph.py importing plan (inside a function) closes a circle."""
     root = _scratch(tmp_path)
-    line = _append(root / "instruction_set/graph.py", "def _late():\n    from instruction_set import plan")
+    line = _append(root / "instruction_set/graph.py", "def _late():\n    from hetsynth.instruction_set import plan")
     found = import_cycles(root)
     assert len(found) == 1, found
     assert f"instruction_set/graph.py:{line}" in found[0] and "instruction_set/plan.py:" in found[0]

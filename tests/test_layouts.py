@@ -15,16 +15,16 @@ import pytest
 from pydantic import ValidationError
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.layouts import (P, PMAX, R, Layout, Partial, PartialMax, Placement, PlacementKind, Replicate, S,
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.layouts import (P, PMAX, R, Layout, Partial, PartialMax, Placement, PlacementKind, Replicate, S,
                                      Shard)
-from instruction_set.mesh import Mesh, MeshAxis
-from instruction_set.plan import PLAN_VERSION, Plan, PlanError, load_plan, plan_from_json, save_plan
-from instruction_set.program import Instruction
-from instruction_set.shards import MeshLayout
-from planner.planner import make_plan
-from planner.problem import Problem, Restrictions, StorageClass, rule_entries
-from planner.transitions import _storage_layouts
+from hetsynth.instruction_set.mesh import Mesh, MeshAxis
+from hetsynth.instruction_set.plan import PLAN_VERSION, Plan, PlanError, load_plan, plan_from_json, save_plan
+from hetsynth.instruction_set.program import Instruction
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import Problem, Restrictions, StorageClass, rule_entries
+from hetsynth.planner.transitions import _storage_layouts
 
 CLUSTER = Path(__file__).resolve().parent.parent / "configs" / "clusters" / "local-emulated.toml"
 TEXT = re.compile(r"(R|P|Pmax|S(0|[1-9][0-9]*))(\|(R|P|S(0|[1-9][0-9]*)))?")
@@ -147,7 +147,7 @@ def _as_version_1(raw: dict) -> dict:
 
 def test_a_version_1_plan_is_read_with_a_warning(plan: Plan, caplog: pytest.LogCaptureFixture) -> None:
     old = _as_version_1(json.loads(plan.model_dump_json()))
-    with caplog.at_level(logging.WARNING, logger="instruction_set.plan"):
+    with caplog.at_level(logging.WARNING, logger="hetsynth.instruction_set.plan"):
         assert plan_from_json(old, "old.json") == plan
     assert f"old.json is plan format version 1; read as version {PLAN_VERSION}" in caplog.text
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from instruction_set.cluster import cluster_from_dict, load_cluster
-from runtime.emulation import CGROUP_MEMORY, Emulation, leftovers, unavailable
-from runtime.launch import MEMORY_FILE, launch_in, recorded_run
+from hetsynth.instruction_set.cluster import cluster_from_dict, load_cluster
+from hetsynth.runtime.emulation import CGROUP_MEMORY, Emulation, leftovers, unavailable
+from hetsynth.runtime.launch import MEMORY_FILE, launch_in, recorded_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 128
@@ -22,7 +22,7 @@ needs_memory = pytest.mark.skipif(unavailable() is not None or not (CGROUP_MEMOR
 
 ALLOCATE = """
 import sys, time, torch
-from runtime.rank import run_rank
+from hetsynth.runtime.rank import run_rank
 
 def body(rank, device):
     mib = int(sys.argv[1 + rank])

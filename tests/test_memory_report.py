@@ -11,23 +11,23 @@ import pytest
 import torch
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.interpret import graph_inputs, run_graph
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.planner import make_plan
-from planner.problem import Restrictions
-from runtime.config import TrainConfig
-from runtime.memory_report import SavedTensorMeter, format_report, relative_error
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.interpret import graph_inputs, run_graph
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import Restrictions
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.memory_report import SavedTensorMeter, format_report, relative_error
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
 
 def memory_worker(rank: int, world: int, plan: Plan, config: TrainConfig):
     import torch.distributed as dist
-    from runtime.groups import Groups
-    from runtime.memory_report import measure_step
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.memory_report import measure_step
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     train_step(trainer, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from instruction_set.mesh import Mesh, MeshAxis
+from hetsynth.instruction_set.mesh import Mesh, MeshAxis
 
 
 def test_members_along_each_axis() -> None:

@@ -19,11 +19,11 @@ import tomllib
 import pytest
 import torch
 
-from instruction_set.cluster import ClusterSpec, cluster_from_dict
-from instruction_set.matmul_rates import Dtype
-from instruction_set.models import parse_model_ref
-from planner.baselines import megatron_restrictions
-from planner.planner import make_plan
+from hetsynth.instruction_set.cluster import ClusterSpec, cluster_from_dict
+from hetsynth.instruction_set.matmul_rates import Dtype
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.planner.baselines import megatron_restrictions
+from hetsynth.planner.planner import make_plan
 from test_parity import CLUSTER
 
 REF = "gpt:tiny"
@@ -48,7 +48,7 @@ def batches(count: int) -> list[tuple[torch.Tensor, ...]]:
 
 def worker(rank: int, world: int, plan, data, overflow_rank: int | None) -> dict:
     import hetsynth
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     torch.manual_seed(0)
     pm = hetsynth.parallelize(parse_model_ref(REF).build("cpu"), plan, check_graph=False)
@@ -143,7 +143,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pools) -> None:
 
 def pipeline_worker(rank: int, world: int, plan, data) -> dict:
     import hetsynth
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     torch.manual_seed(0)
     pm = hetsynth.parallelize(parse_model_ref(REF).build("cpu"), plan, check_graph=False)
@@ -164,8 +164,8 @@ def pipeline_worker(rank: int, world: int, plan, data) -> dict:
 def test_pipeline_with_bf16_and_fp16_stages(pools) -> None:
     """Stage 0 on the fast kind in bf16, stage 1 on the slow kind in fp16 with loss scaling:
     the boundary carries the plan's dtype, train_step scales by the scaler."""
-    from instruction_set.mixed_precision import KindPrecision, Precision, PrecisionPolicy
-    from instruction_set.schedule import Schedule
+    from hetsynth.instruction_set.mixed_precision import KindPrecision, Precision, PrecisionPolicy
+    from hetsynth.instruction_set.schedule import Schedule
     from test_pipeline_parity import pipeline_plans
 
     (plan,) = pipeline_plans(REF, 2, 3, (Schedule.ONE_F_ONE_B,))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.compute import FREE_OPS
+from hetsynth.cost_models.compute import FREE_OPS
 from hetsynth import capture_model
-from instruction_set.graph import Node
-from instruction_set.models import parse_model_ref
-from profiling.op_profile import calibrate_to_model, measure_ops
+from hetsynth.instruction_set.graph import Node
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.profiling.op_profile import calibrate_to_model, measure_ops
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,10 @@ def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
     that factor for every op; kinds not timed keep the matmul-rate ratio."""
     from pathlib import Path
 
-    from instruction_set.cluster import load_cluster
-    from cost_models.compute import compute_cost, launches
-    from planner import baselines
-    from planner.problem import Problem
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.cost_models.compute import compute_cost, launches
+    from hetsynth.planner import baselines
+    from hetsynth.planner.problem import Problem
 
     _, timed = measured
     cluster = load_cluster(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml")
@@ -59,7 +59,7 @@ def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
 
 
 def test_device_scales_compare_equal_rows() -> None:
-    from profiling.model_timing import device_scales
+    from hetsynth.profiling.model_timing import device_scales
 
     records = [{"kind": "fast", "rows": 10, "seconds": 1.0}, {"kind": "fast", "rows": 20, "seconds": 3.0},
                {"kind": "slow", "rows": 10, "seconds": 2.0}, {"kind": "slow", "rows": 0, "seconds": 0.0}]

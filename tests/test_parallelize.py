@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hetsynth
-from instruction_set.cluster import load_cluster
-from planner.baselines import megatron_restrictions
-from planner.capture import capture
-from planner.planner import DP_SEED, make_plan
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.planner.baselines import megatron_restrictions
+from hetsynth.planner.capture import capture
+from hetsynth.planner.planner import DP_SEED, make_plan
 from test_parity import CLUSTER, make
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +95,7 @@ class _nothing:
 
 
 def lm_worker(rank: int, world: int, plan, build, batches):
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     pm = hetsynth.parallelize(build(), plan)
     rows = input_rows(plan, rank)
@@ -153,7 +153,7 @@ def test_hf_lm_under_zero2(pools) -> None:
 
 
 def zoo_build(ref: str):
-    from instruction_set.models import parse_model_ref
+    from hetsynth.instruction_set.models import parse_model_ref
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -163,7 +163,7 @@ def zoo_build(ref: str):
 
 @pytest.mark.parametrize("ref,zero", [("resnet:tiny,dtype=float64", None), ("bert:tiny,dtype=float64", 3)])
 def test_zoo_models(pools, ref: str, zero: int | None) -> None:
-    from instruction_set.models import parse_model_ref
+    from hetsynth.instruction_set.models import parse_model_ref
 
     spec = parse_model_ref(ref)
     plan = make(ref, [0.5, 0.3, 0.2, 0.0], DP_SEED if zero else None)  # a rank of no rows
@@ -198,7 +198,7 @@ def refusal_worker(rank: int, world: int, plan, case: str):
         pm = hetsynth.parallelize(model, plan)
     except ValueError as err:
         return str(err)
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     rows = input_rows(plan, rank)
     ids = lm_batches(1)[0][0]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from instruction_set.schedule import Schedule
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.schedule import Schedule
 from test_pipeline_parity import pipeline_plans
 
 REF = "gpt:tiny,dtype=float64"
@@ -34,7 +34,7 @@ def _batch(spec, plan: Plan, index: int) -> tuple[torch.Tensor, ...]:
 
 def user_worker(rank: int, world: int, plan: Plan) -> dict:
     from hetsynth.parallelize import parallelize
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     spec = parse_model_ref(plan.model.ref)
     torch.manual_seed(0)
@@ -116,7 +116,7 @@ def test_user_loop_matches_one_device(pools, schedule: Schedule) -> None:
 def scale_worker(rank: int, world: int, plan: Plan) -> list[float]:
     """The global gradient norm after train_step with loss_scale 1, 0.5 and 3 on one batch."""
     from hetsynth.parallelize import parallelize
-    from runtime.input_rows import input_rows
+    from hetsynth.runtime.input_rows import input_rows
 
     spec = parse_model_ref(plan.model.ref)
     torch.manual_seed(0)
@@ -135,8 +135,8 @@ def scale_worker(rank: int, world: int, plan: Plan) -> list[float]:
 def test_train_step_scales_the_backward(pools, shape: str) -> None:
     """train_step(..., loss_scale=c) gives c times the gradients, for both plan shapes."""
     from test_parallelize import RATIOS
-    from instruction_set.cluster import load_cluster
-    from planner.planner import make_plan
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.planner import make_plan
     from test_parity import CLUSTER
     import hetsynth
 

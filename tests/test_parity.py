@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.graph import ReferenceGraph
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.planner import DP_SEED, make_plan
-from instruction_set.layouts import S
-from planner.problem import Restrictions, StorageClass
-from runtime.config import TrainConfig
-from runtime.rank_state import assemble
-from runtime.train import reference_training
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.planner import DP_SEED, make_plan
+from hetsynth.instruction_set.layouts import S
+from hetsynth.planner.problem import Restrictions, StorageClass
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.rank_state import assemble
+from hetsynth.runtime.train import reference_training
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 CONFIG = TrainConfig(steps=5, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
@@ -34,8 +34,8 @@ CONFIG = TrainConfig(steps=5, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 
 def train_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> tuple:
     import torch.distributed as dist
-    from runtime.groups import Groups
-    from runtime.train import local_parameters, setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import local_parameters, setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     losses = [train_step(trainer, step).loss for step in range(config.steps)]

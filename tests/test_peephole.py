@@ -9,8 +9,8 @@ import copy
 import torch
 from torch import fx
 
-from planner.decompose import MEAN, _emit_cross_entropy
-from runtime.peephole import fuse_cross_entropy
+from hetsynth.planner.decompose import MEAN, _emit_cross_entropy
+from hetsynth.runtime.peephole import fuse_cross_entropy
 
 aten = torch.ops.aten
 

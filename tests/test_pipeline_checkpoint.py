@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner.pipeline import block_starts, make_pipeline_plan
-from planner.planner import make_plan
-from runtime.config import TrainConfig
-from runtime.train import reference_training
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.pipeline import block_starts, make_pipeline_plan
+from hetsynth.planner.planner import make_plan
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import reference_training
 
 REF = "gpt:tiny,dtype=float64"
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
@@ -27,8 +27,8 @@ def pipe_worker(rank: int, world: int, plan: Plan, config: TrainConfig, steps: t
                 resume: str | None, save: str) -> tuple[list[float], dict]:
     import torch.distributed as dist
 
-    from runtime.pipeline.checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
-    from runtime.pipeline.trainer import local_parameters, setup, train_step
+    from hetsynth.runtime.pipeline.checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint
+    from hetsynth.runtime.pipeline.trainer import local_parameters, setup, train_step
 
     trainer = setup(plan, rank, config, world=dist.group.WORLD)
     start = load_pipeline_checkpoint(trainer, resume, steps[1]) if resume else 0
@@ -42,9 +42,9 @@ def spmd_worker(rank: int, world: int, plan: Plan, config: TrainConfig, steps: t
                 resume: str, save: str) -> list[float]:
     import torch.distributed as dist
 
-    from runtime.checkpoint import load_checkpoint, save_checkpoint
-    from runtime.groups import Groups
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     start = load_checkpoint(trainer, resume, steps[1])
@@ -66,7 +66,7 @@ def plans() -> tuple[Plan, Plan]:
 
 
 def test_pipeline_and_spmd_checkpoints_resume_each_other(pools, tmp_path: Path) -> None:
-    from runtime.pipeline.trainer import assemble
+    from hetsynth.runtime.pipeline.trainer import assemble
 
     pipeline, spmd = plans()
     a, b, c = (str(tmp_path / f"{x}.pt") for x in "abc")

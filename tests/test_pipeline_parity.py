@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from instruction_set.schedule import Schedule
-from planner.pipeline import block_starts, make_pipeline_plan, with_schedule
-from planner.planner import make_plan
-from runtime.config import TrainConfig
-from runtime.train import reference_training
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.schedule import Schedule
+from hetsynth.planner.pipeline import block_starts, make_pipeline_plan, with_schedule
+from hetsynth.planner.planner import make_plan
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.train import reference_training
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 WIDTH = 8  # the search's width: small programs, quick planning
@@ -31,7 +31,7 @@ CONFIG = TrainConfig(steps=5, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 
 def train_worker(rank: int, world: int, plans: list[Plan], config: TrainConfig) -> list:
     import torch.distributed as dist
-    from runtime.pipeline.trainer import local_parameters, setup, train_step
+    from hetsynth.runtime.pipeline.trainer import local_parameters, setup, train_step
 
     out = []
     for plan in plans:
@@ -57,7 +57,7 @@ def pipeline_plans(ref: str, num_stages: int, num_micro: int, schedules: tuple[S
 
 
 def check(pools, plans: list[Plan]) -> None:
-    from runtime.pipeline.trainer import assemble
+    from hetsynth.runtime.pipeline.trainer import assemble
     results = pools.get(4).run(train_worker, plans, CONFIG, timeout_s=600)
     spec = parse_model_ref(plans[0].model.ref)
     expected_losses, expected = reference_training(spec, spec.batch_size, CONFIG)

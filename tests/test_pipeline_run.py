@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from hetsynth import capture_model, save_plan
-from instruction_set.cluster import load_cluster
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import PlanShape
-from planner.pipeline import block_starts, make_pipeline_plan, plan_stages
-from planner.planner import make_plan
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import PlanShape
+from hetsynth.planner.pipeline import block_starts, make_pipeline_plan, plan_stages
+from hetsynth.planner.planner import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
@@ -94,7 +94,7 @@ def test_report_draws_the_stages_and_the_recorded_timeline(plan_path: str, tmp_p
     with the stages and boundaries, and refuses a measured trace it cannot have; `hetsynth
     trace` writes it as a Chrome trace."""
     from hetsynth.cli import main
-    from instruction_set.plan import load_plan
+    from hetsynth.instruction_set.plan import load_plan
 
     pipeline = load_plan(plan_path).pipeline
     events = pipeline.predicted.timeline

@@ -31,10 +31,10 @@ class Planned:
     """Counts the captures and searches the CLI runs (a hit runs neither)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import planner.planner
+        import hetsynth.planner.planner as planner_module
 
         self.captures = self.searches = 0
-        capture, make_plan = hetsynth.capture_model, planner.planner.make_plan
+        capture, make_plan = hetsynth.capture_model, planner_module.make_plan
 
         def counted_capture(*a: object, **k: object) -> object:
             self.captures += 1
@@ -45,7 +45,7 @@ class Planned:
             return make_plan(*a, **k)
 
         monkeypatch.setattr(hetsynth, "capture_model", counted_capture)
-        monkeypatch.setattr(planner.planner, "make_plan", counted_search)
+        monkeypatch.setattr(planner_module, "make_plan", counted_search)
 
 
 def _plan(tmp_path: Path, *extra: str, model: str = "gpt:tiny", cluster: Path = A100_T4) -> int:

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import hetsynth
-from instruction_set.cluster import cluster_from_dict, load_cluster
-from instruction_set.layouts import R, Layout
-from instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
-from planner import baselines
-from planner.planner import PlanInfeasible, search_plan
-from planner.problem import Problem, Restrictions
-from planner.synthesis import synthesize
+from hetsynth.instruction_set.cluster import cluster_from_dict, load_cluster
+from hetsynth.instruction_set.layouts import R, Layout
+from hetsynth.instruction_set.plan import PLAN_VERSION, PlanError, load_plan, plan_from_json
+from hetsynth.planner import baselines
+from hetsynth.planner.planner import PlanInfeasible, search_plan
+from hetsynth.planner.problem import Problem, Restrictions
+from hetsynth.planner.synthesis import synthesize
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 
@@ -106,14 +106,14 @@ def test_infeasible_memory_names_the_device() -> None:
 def test_memory_lower_bound_refuses_before_any_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """State and unavoidable activations (0.54 MiB) beyond both devices (0.5 MiB), though the
     state alone (0.42 MiB) fits: refused by the lower bound, no search runs."""
-    import planner.baselines
-    import planner.planner
+    import hetsynth.planner.baselines as baselines
+    import hetsynth.planner.planner as planner_module
 
     def no_search(*args, **kwargs):
         raise AssertionError("a search ran before the lower bound refused the problem")
 
-    monkeypatch.setattr(planner.planner, "synthesize", no_search)
-    monkeypatch.setattr(planner.baselines, "synthesize", no_search)
+    monkeypatch.setattr(planner_module, "synthesize", no_search)
+    monkeypatch.setattr(baselines, "synthesize", no_search)
     graph = hetsynth.capture_model("gpt:tiny")
     with pytest.raises(PlanInfeasible, match=r"all 2 blocks recomputed .* short by [0-9.e-]+ GiB"):
         search_plan(graph, cluster_from_dict(_small_memory(0.00025)), progress=False)
@@ -152,7 +152,7 @@ def test_sfb_chosen_by_cost_where_it_pays(tokens: int, expect_sfb: bool) -> None
     """A 2048 x 2048 weight on the HAP cluster: SFB (gather 8 tokens' factors) beats the
     all-reduce of 16 MiB; at 8192 tokens (> 2 * in * out / (in + out) = 2048) it does not.
     The sync instruction records both predicted alternatives."""
-    from planner.planner import DP_SEED, make_plan
+    from hetsynth.planner.planner import DP_SEED, make_plan
 
     cluster = load_cluster(CLUSTERS / "hap-paper.toml").first(8)
     with torch.device("meta"):
@@ -166,7 +166,7 @@ def test_sfb_chosen_by_cost_where_it_pays(tokens: int, expect_sfb: bool) -> None
 
 
 def test_without_sfb_is_the_same_plan_with_all_reduce() -> None:
-    from planner.planner import DP_SEED, make_plan, without_sfb
+    from hetsynth.planner.planner import DP_SEED, make_plan, without_sfb
 
     cluster = load_cluster(CLUSTERS / "local-emulated.toml")
     graph = hetsynth.capture_model("vgg:tiny")

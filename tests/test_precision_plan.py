@@ -12,17 +12,17 @@ import pytest
 import torch
 
 import hetsynth
-from cost_models.precision import costed_graph
+from hetsynth.cost_models.precision import costed_graph
 from hetsynth.cli import main
 from hetsynth.report import plan_summary_text
-from instruction_set.cluster import ClusterSpec, ClusterSpecError, cluster_from_dict, dump_cluster_toml, load_cluster
-from instruction_set.matmul_rates import VENDOR_RATES, Dtype
-from instruction_set.mixed_precision import Precision, PrecisionError, choose_policy
-from instruction_set.plan import Plan, load_plan, plan_from_json, save_plan
-from planner.planner import make_plan
-from planner.problem import plan_problem
-from planner.step_cost import predict_program
-from profiling.matmul_dtypes import dtype_rates, measured_rates, unsupported_claims
+from hetsynth.instruction_set.cluster import ClusterSpec, ClusterSpecError, cluster_from_dict, dump_cluster_toml, load_cluster
+from hetsynth.instruction_set.matmul_rates import VENDOR_RATES, Dtype
+from hetsynth.instruction_set.mixed_precision import Precision, PrecisionError, choose_policy
+from hetsynth.instruction_set.plan import Plan, load_plan, plan_from_json, save_plan
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import plan_problem
+from hetsynth.planner.step_cost import predict_program
+from hetsynth.profiling.matmul_dtypes import dtype_rates, measured_rates, unsupported_claims
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
 A100_T4 = CLUSTERS / "a100-t4.toml"
@@ -221,8 +221,8 @@ def test_explain_and_the_report_show_each_device_s_dtype(plans: dict[str, Plan])
 
 
 def test_pipelines_are_refused_for_16_bit_plans(plans: dict[str, Plan], capsys: pytest.CaptureFixture[str]) -> None:
-    from instruction_set.models import parse_model_ref
-    from planner.pipeline import plan_stages
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.pipeline import plan_stages
 
     with pytest.raises(ValueError, match=r"pipeline stages are planned in float32 only; the plan's precision is auto"):
         plan_stages(plans["auto"], parse_model_ref(MODEL), 2)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.comm import collective_terms
-from profiling.profiler import CASES, fit
+from hetsynth.cost_models.comm import collective_terms
+from hetsynth.profiling.profiler import CASES, fit
 
 SIZES = [64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20]
 SHARES = [[0.25] * 4, [0.9, 0.1 / 3, 0.1 / 3, 0.1 / 3]]

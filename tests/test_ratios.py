@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.linear_cost import LinearCost
-from cost_models.memory import GIB, MemoryTerm
-from cost_models.terms import Shares, ShareKind, Term
-from instruction_set.kinds import Category
-from planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.memory import GIB, MemoryTerm
+from hetsynth.cost_models.terms import Shares, ShareKind, Term
+from hetsynth.instruction_set.kinds import Category
+from hetsynth.planner.ratios import MemoryInfeasible, least_memory_overflow, solve_ratios
 
 COMPUTE, COMM = Category.COMPUTE, Category.COMMUNICATION
 

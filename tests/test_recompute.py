@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
+from hetsynth.instruction_set.blocks import mark_recomputed, recompute_units, recomputed_units
 from hetsynth.trace import predicted_step
-from planner.planner import DP_SEED, make_plan
-from planner.problem import Problem
-from planner.step_cost import predict_program
+from hetsynth.planner.planner import DP_SEED, make_plan
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.step_cost import predict_program
 from test_parity import _gpt, check, make, tensor_parallel_mlp
 
 
@@ -72,9 +72,9 @@ def test_fused_linear_after_a_recomputed_block(pools) -> None:
     (instruction_set.blocks.reads, shared by the planner and the runtime), so the recomputed
     body returns it, and the plan trains as one device does."""
     from hetsynth import capture_model
-    from instruction_set.blocks import reads, writes
-    from planner.problem import Restrictions
-    from runtime.recompute import read_after
+    from hetsynth.instruction_set.blocks import reads, writes
+    from hetsynth.planner.problem import Restrictions
+    from hetsynth.runtime.recompute import read_after
     from test_fused_parity import _linears, _split_input
 
     ref = "bert:tiny,batch_size=12,dtype=float64"

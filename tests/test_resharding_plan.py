@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
-from cost_models.flows import CONTENTION, NicModel, hops, host_map, lower_bound, schedule_cost
-from instruction_set.mesh import Mesh
-from instruction_set.reshard_sides import Placed, reshard_spec
-from instruction_set.resharding import ReshardError, ReshardMethod, ReshardPlan, slices, tiles
-from planner.resharding import plan_reshard
+from hetsynth.cost_models.flows import CONTENTION, NicModel, hops, host_map, lower_bound, schedule_cost
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.reshard_sides import Placed, reshard_spec
+from hetsynth.instruction_set.resharding import ReshardError, ReshardMethod, ReshardPlan, slices, tiles
+from hetsynth.planner.resharding import plan_reshard
 
 GBIT10 = 10e9 / 8
 HOSTS16 = tuple(r // 4 for r in range(16))

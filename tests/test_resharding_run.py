@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cost_models.flows import NicModel
-from instruction_set.mesh import Mesh
-from instruction_set.reshard_sides import Placed, reshard_spec
-from instruction_set.resharding import ReshardMethod, ReshardPlan, full_box
-from planner.resharding import plan_reshard
-from runtime.resharding import ReshardContext, reshard
+from hetsynth.cost_models.flows import NicModel
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.reshard_sides import Placed, reshard_spec
+from hetsynth.instruction_set.resharding import ReshardMethod, ReshardPlan, full_box
+from hetsynth.planner.resharding import plan_reshard
+from hetsynth.runtime.resharding import ReshardContext, reshard
 
 HOSTS = (0, 0, 1, 1)
 NICS = NicModel(nic_bytes_s=(1e8, 5e7), loop_bytes_s=(1e9, 1e9), alpha_s=50e-6, loop_alpha_s=5e-6)

@@ -20,15 +20,15 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from instruction_set.graph import Node, ReferenceGraph
-from instruction_set.interpret import call_node
-from instruction_set.layouts import P, PMAX, R, Layout
-from instruction_set.local import EagerBuilder, LocalContext, emit_local
-from instruction_set.rules import Rule, rules_for
-from instruction_set.rules.state import BUFFER_UPDATE
-from instruction_set.shards import DimClasses
-from planner.capture import capture
-from planner.problem import rule_links
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.interpret import call_node
+from hetsynth.instruction_set.layouts import P, PMAX, R, Layout
+from hetsynth.instruction_set.local import EagerBuilder, LocalContext, emit_local
+from hetsynth.instruction_set.rules import Rule, rules_for
+from hetsynth.instruction_set.rules.state import BUFFER_UPDATE
+from hetsynth.instruction_set.shards import DimClasses
+from hetsynth.planner.capture import capture
+from hetsynth.planner.problem import rule_links
 
 
 

@@ -15,9 +15,9 @@ import torch
 
 import hetsynth
 from hetsynth.cli import main
-from instruction_set.models import parse_model_ref
-from runtime import launch
-from runtime.runstate import state_dir
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.runtime import launch
+from hetsynth.runtime.runstate import state_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "configs" / "clusters" / "local-emulated.toml"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import runstate
+from hetsynth.runtime import runstate
 
 
 def test_dead_runs_are_removed_live_ones_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from hetsynth.cli import main
-from instruction_set.files import WriteError, atomic_file, write_atomic
-from instruction_set.plan import Plan, save_plan
-from runtime.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from runtime.runstate import remove_dead_runs
+from hetsynth.instruction_set.files import WriteError, atomic_file, write_atomic
+from hetsynth.instruction_set.plan import Plan, save_plan
+from hetsynth.runtime.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from hetsynth.runtime.runstate import remove_dead_runs
 from test_checkpoint import FIRST, REF, save_worker
 from test_parity import make
 

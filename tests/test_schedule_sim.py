@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from cost_models.schedule import StageTimes, simulate_schedule
-from instruction_set.schedule import (ActionOp, Link, Schedule, ScheduleError, build_actions,
+from hetsynth.cost_models.schedule import StageTimes, simulate_schedule
+from hetsynth.instruction_set.schedule import (ActionOp, Link, Schedule, ScheduleError, build_actions,
                                       check_actions, in_flight, warmup)
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import S
-from instruction_set.plan import Plan
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import S
+from hetsynth.instruction_set.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_fused_parity import SHAPES, errors, single_device, trained  # noqa: E402
@@ -53,7 +53,7 @@ def sequence_parallel(g: ReferenceGraph, model: str) -> dict[str, str]:
 
 def sp_plan(model: str, ratios: list[float], fusion: bool) -> Plan:
     from hetsynth import capture_model
-    from planner.problem import Restrictions
+    from hetsynth.planner.problem import Restrictions
 
     ref = f"{model}:tiny,batch_size=12,dtype=float64"
     force = sequence_parallel(capture_model(ref), model)
@@ -93,13 +93,13 @@ def test_search_reaches_sequence_parallel_activations_when_memory_is_tight(caplo
 
     from hetsynth import capture_model
     from hetsynth.report import plan_summary_text
-    from instruction_set.cluster import cluster_from_dict
-    from planner.planner import make_plan
+    from hetsynth.instruction_set.cluster import cluster_from_dict
+    from hetsynth.planner.planner import make_plan
 
     cluster = cluster_from_dict({"name": "tight", "device_kinds": {"small": {"throughput_flops": 1e12, "memory_gib": 2e-4}},
                                  "nodes": [{"name": "n", "kind": "small", "num_devices": 4}],
                                  "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 10}})
-    with caplog.at_level(logging.INFO, logger="planner.planner"):
+    with caplog.at_level(logging.INFO, logger="hetsynth.planner.planner"):
         plan = make_plan(capture_model("gpt:tiny,batch_size=1"), cluster, progress=False, with_baselines=False)
     assert plan.predicted.fits and "memory penalty" not in caplog.text
     assert len(token_split_norms(plan)) >= 4, token_split_norms(plan)  # both blocks' ln1 and ln2

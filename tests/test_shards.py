@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from instruction_set.shards import DimClasses, largest_remainder
+from hetsynth.instruction_set.shards import DimClasses, largest_remainder
 
 
 @given(st.lists(st.floats(0, 10), min_size=1, max_size=9).filter(lambda r: sum(r) > 0),
@@ -51,7 +51,7 @@ def test_incommensurate_sizes_get_a_common_unit() -> None:
 
 def test_empty_dims_have_empty_shards() -> None:
     """A dim of size 0 (an empty slice, such as a rotary pass-through of width 0)."""
-    from instruction_set.shards import DimClasses
+    from hetsynth.instruction_set.shards import DimClasses
 
     classes = DimClasses({("t", 0): 4, ("t", 1): 0}, [])
     assert classes.lengths("t", 1, [0.5, 0.5]) == [0, 0]

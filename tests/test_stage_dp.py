@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from instruction_set.cluster import cluster_from_dict
-from instruction_set.schedule import Schedule
-from planner.stage_dp import Segments, in_flight, solve, stage_table, units
+from hetsynth.instruction_set.cluster import cluster_from_dict
+from hetsynth.instruction_set.schedule import Schedule
+from hetsynth.planner.stage_dp import Segments, in_flight, solve, stage_table, units
 
 GIB = 2 ** 30
 
@@ -114,11 +114,11 @@ def test_auto_stages_on_local_emulated_keeps_spmd_and_covers_the_model():
     from pathlib import Path
 
     from hetsynth import capture_model
-    from instruction_set.cluster import load_cluster
-    from instruction_set.models import parse_model_ref
-    from instruction_set.plan import PlanShape
-    from planner.pipeline import auto_stages
-    from planner.planner import make_plan
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.instruction_set.plan import PlanShape
+    from hetsynth.planner.pipeline import auto_stages
+    from hetsynth.planner.planner import make_plan
 
     spec = load_cluster(Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml")
     spmd = make_plan(capture_model("gpt:tiny"), spec, width=8, progress=False, with_baselines=False)
@@ -156,8 +156,8 @@ def test_plan_tries_stages_when_no_spmd_plan_fits(tmp_path, capsys):
     without --stages says it tries stages and writes the pipeline. At 0.00028 GiB neither
     fits: error naming both, exit 2, nothing written."""
     from hetsynth.cli import main
-    from instruction_set.plan import PlanShape, load_plan
-    from planner.pipeline import stage_memory
+    from hetsynth.instruction_set.plan import PlanShape, load_plan
+    from hetsynth.planner.pipeline import stage_memory
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt:tiny", "--cluster", _tiny_memory_cluster(tmp_path / "c.json", 0.0003),

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.models import parse_model_ref
-from planner.pipeline import block_starts, make_pipeline_plan
-from planner.planner import make_plan
-from planner.stage_times import global_s, nics, shared_s, stage_phases
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.planner.pipeline import block_starts, make_pipeline_plan
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.stage_times import global_s, nics, shared_s, stage_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
@@ -37,7 +37,7 @@ def test_single_device_phases_add_up_to_its_step():
 
 
 def test_stage_phases_charge_one_coalesced_sync_per_axis(pipeline):
-    from planner.stage_times import all_reduce_s
+    from hetsynth.planner.stage_times import all_reduce_s
 
     p = pipeline.pipeline
     for st in p.stages:
@@ -77,9 +77,9 @@ def test_every_recosting_of_a_one_level_plan_keeps_its_one_level_mesh(monkeypatc
     plan's problem (planner.problem.plan_problem): a DP-CP plan has a one-level mesh, and each
     of them must cost it on one, not on the default two-level one."""
     from hetsynth.trace import predicted_step
-    from planner import baselines
-    from planner.planner import shortfall_message, without_fusion
-    from planner.problem import Problem
+    from hetsynth.planner import baselines
+    from hetsynth.planner.planner import shortfall_message, without_fusion
+    from hetsynth.planner.problem import Problem
 
     plan = make_plan(capture_model("gpt:tiny"), LOCAL, ratios=baselines.proportional(LOCAL),
                      restrictions=baselines.DP, width=8, progress=False, with_baselines=False)

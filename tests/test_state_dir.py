@@ -19,10 +19,10 @@ from typing import Iterator
 import pytest
 
 import hetsynth
-from instruction_set.cluster import load_cluster
-from runtime import heartbeat, runstate
-from runtime.emulation import CGROUP_CPU
-from runtime.plan_handoff import PLAN_ENV, PlanChanged, load_rank_plan, plan_digest, validated_digest
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.runtime import heartbeat, runstate
+from hetsynth.runtime.emulation import CGROUP_CPU
+from hetsynth.runtime.plan_handoff import PLAN_ENV, PlanChanged, load_rank_plan, plan_digest, validated_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,8 +291,8 @@ def test_ranks_refuse_a_plan_changed_after_launch(local_plan: str, tmp_path: Pat
     """The launcher hands the ranks the digest it validated; a file whose bytes differ (here:
     another digest handed over) is refused by the ranks, naming both digests; the run ends
     leaving no work directory and no torchelastic_* directory."""
-    from runtime.config import TrainConfig
-    from runtime.launch import RunOptions, launch, worker_args
+    from hetsynth.runtime.config import TrainConfig
+    from hetsynth.runtime.launch import RunOptions, launch, worker_args
 
     tmp_root = tmp_path / "tmp"
     tmp_root.mkdir()

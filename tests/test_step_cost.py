@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.linear_cost import LinearCost
-from cost_models.terms import Form, Overlap, Shares, ShareKind, Term, exposed, seconds
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.terms import Form, Overlap, Shares, ShareKind, Term, exposed, seconds
 from hetsynth import capture_model
-from instruction_set.cluster import load_cluster
-from instruction_set.kinds import Category
-from planner.planner import make_plan
-from planner.ratios import solve_ratios
-from instruction_set.sync import SYNC_MESSAGES
-from planner.problem import Problem
-from planner.step_cost import backward_overlap, bucket_sync, program_terms
-from profiling.profiler import measured_spec
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.kinds import Category
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.ratios import solve_ratios
+from hetsynth.instruction_set.sync import SYNC_MESSAGES
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.step_cost import backward_overlap, bucket_sync, program_terms
+from hetsynth.profiling.profiler import measured_spec
 
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
@@ -111,7 +111,7 @@ def test_measured_spec_records_the_transfer_cpu_share() -> None:
 def test_measured_spec_records_point_to_point_apart_from_all_reduces() -> None:
     """The point-to-point rows (profiling.overlap.p2p_cpu_rows) get their own fit; without them
     the kind has none and a boundary transfer falls back to the all-reduces' (DeviceKind.p2p_cpu)."""
-    from profiling.overlap import partners
+    from hetsynth.profiling.overlap import partners
 
     cluster = load_cluster(CLUSTER)
     def rows(gamma: float, per_message_s: float) -> list[tuple[int, float, float]]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from instruction_set.interpret import resolve_target
-from instruction_set.rules import is_supported, registered_targets
-from instruction_set.rules.surface import classify, core_ops
-from planner.lower import KEEP, decomposition_table
+from hetsynth.instruction_set.interpret import resolve_target
+from hetsynth.instruction_set.rules import is_supported, registered_targets
+from hetsynth.instruction_set.rules.surface import classify, core_ops
+from hetsynth.planner.lower import KEEP, decomposition_table
 
 
 def test_every_op_of_the_surface_is_classified() -> None:

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from cost_models.linear_cost import LinearCost
-from cost_models.terms import Form, Overlap, Series, Shares, ShareKind, Term, busy, exposed, seconds
-from instruction_set.kinds import Category
-from planner.ratios import solve_ratios
+from hetsynth.cost_models.linear_cost import LinearCost
+from hetsynth.cost_models.terms import Form, Overlap, Series, Shares, ShareKind, Term, busy, exposed, seconds
+from hetsynth.instruction_set.kinds import Category
+from hetsynth.planner.ratios import solve_ratios
 
 COMPUTE, COMM = Category.COMPUTE, Category.COMMUNICATION
 

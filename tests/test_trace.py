@@ -16,17 +16,17 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth import capture_model
 from hetsynth.cli import main
 from hetsynth.measured import comparison, measured_trace
 from hetsynth.report_html import report_html
 from hetsynth.trace import COMMUNICATION, COMPUTE, GRADIENT_SYNC, SYNC_WAIT, TRACE_SCHEMA, predicted_step, predicted_trace
-from instruction_set.plan import Plan, save_plan
-from planner.planner import make_plan
-from runtime.config import TrainConfig
-from runtime.rank_state import assemble
-from runtime.train import reference_training
+from hetsynth.instruction_set.plan import Plan, save_plan
+from hetsynth.planner.planner import make_plan
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.rank_state import assemble
+from hetsynth.runtime.train import reference_training
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -122,9 +122,9 @@ CONFIG = TrainConfig(steps=3, optimizer="adamw", lr=1e-2, max_grad_norm=1.0)
 
 def traced_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> tuple:
     import torch.distributed as dist
-    from runtime.groups import Groups
-    from runtime.timing import StepTracer
-    from runtime.train import local_parameters, setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.timing import StepTracer
+    from hetsynth.runtime.train import local_parameters, setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     tracer = StepTracer(trainer)
@@ -142,7 +142,7 @@ def traced(pools) -> tuple[Plan, list, dict]:
 
 def test_traced_steps_train_as_untraced(traced) -> None:
     plan, (losses, params), _ = traced
-    from instruction_set.models import parse_model_ref
+    from hetsynth.instruction_set.models import parse_model_ref
 
     spec = parse_model_ref(plan.model.ref)
     expected, expected_params = reference_training(spec, spec.batch_size, CONFIG)

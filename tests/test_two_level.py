@@ -25,18 +25,18 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg as fake_pg
 
 from hetsynth import capture_model
-from instruction_set.cluster import ClusterSpec, load_cluster
-from instruction_set.graph import ReferenceGraph
-from instruction_set.layouts import Shard
-from instruction_set.mesh import Mesh
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from planner import baselines
-from planner.planner import make_plan
-from planner.problem import Restrictions
-from runtime.codegen import build_rank_program
-from runtime.groups import Groups
-from runtime.train import full_state, rank_rows
+from hetsynth.instruction_set.cluster import ClusterSpec, load_cluster
+from hetsynth.instruction_set.graph import ReferenceGraph
+from hetsynth.instruction_set.layouts import Shard
+from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner import baselines
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import Restrictions
+from hetsynth.runtime.codegen import build_rank_program
+from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.train import full_state, rank_rows
 from test_parity import check, nodes
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"

@@ -17,12 +17,12 @@ import pytest
 
 from hetsynth import capture_model
 from hetsynth.trace import predicted_step
-from instruction_set.cluster import load_cluster
-from instruction_set.plan import Plan, load_plan, save_plan
-from instruction_set.training_state import TrainingState
-from planner.planner import DP_SEED, make_plan, with_zero, with_zero1
-from planner.problem import Problem
-from planner.zero import solve_state_ratios, with_states, zero_candidates
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.plan import Plan, load_plan, save_plan
+from hetsynth.instruction_set.training_state import TrainingState
+from hetsynth.planner.planner import DP_SEED, make_plan, with_zero, with_zero1
+from hetsynth.planner.problem import Problem
+from hetsynth.planner.zero import solve_state_ratios, with_states, zero_candidates
 from test_parity import check, make
 
 
@@ -93,9 +93,9 @@ def test_zero3_matches_single_device(pools, ref: str, ratios: list[float], q: li
 def zero3_memory_worker(rank: int, world: int, plan: Plan, config):
     import torch.distributed as dist
 
-    from runtime.groups import Groups
-    from runtime.memory_report import measure_step
-    from runtime.train import setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.memory_report import measure_step
+    from hetsynth.runtime.train import setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     train_step(trainer, 0)
@@ -112,8 +112,8 @@ def test_sharded_state_memory_is_measured_as_predicted(pools, state: TrainingSta
     the plan predicts (within 15%; ZeRO-3: the module holds its rows only) and saves what it
     predicts for backward (within 25%): ZeRO-3's gathered parameters are released after their
     forward use (not saved) and gathered again in the backward."""
-    from runtime.config import TrainConfig
-    from runtime.memory_report import format_report, relative_error
+    from hetsynth.runtime.config import TrainConfig
+    from hetsynth.runtime.memory_report import format_report, relative_error
 
     plan = with_zero(make("gpt:tiny", [0.7, 0.3], DP_SEED), [0.65, 0.35], state)
     rows = pools.get(2).run(zero3_memory_worker, plan, TrainConfig(steps=2), timeout_s=300)
@@ -247,8 +247,8 @@ def test_checkpoint_under_zero1_holds_whole_state_and_resumes(pools, tmp_path: P
     with single-device training's losses."""
     import torch
 
-    from instruction_set.models import parse_model_ref
-    from runtime.train import reference_training
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.runtime.train import reference_training
     from test_checkpoint import FIRST, LATER, REF, resume_worker, save_worker
 
     path = str(tmp_path / "zero.pt")
@@ -274,8 +274,8 @@ def test_checkpoint_under_zero3_loads_into_the_plain_model_and_resumes(pools, tm
     with single-device training's losses."""
     import torch
 
-    from instruction_set.models import parse_model_ref
-    from runtime.train import reference_training
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.runtime.train import reference_training
     from test_checkpoint import FIRST, LATER, REF, resume_worker, save_worker
 
     path = str(tmp_path / "zero3.pt")
@@ -318,8 +318,8 @@ def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: P
     import subprocess
     import sys
 
-    from instruction_set.plan import PlanError, plan_from_json
-    from planner.problem import Restrictions
+    from hetsynth.instruction_set.plan import PlanError, plan_from_json
+    from hetsynth.planner.problem import Restrictions
 
     force = {n.name: "S0" for n in capture_model("gpt:tiny").calls
              if n.target == "aten.linear.default" and "blocks" in n.module_path}

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 
-from instruction_set.blocks import mark_recomputed, recompute_units
-from instruction_set.models import parse_model_ref
-from instruction_set.plan import Plan
-from instruction_set.training_state import TrainingState
-from planner.planner import DP_SEED, with_zero
-from runtime.config import TrainConfig
-from runtime.input_rows import input_rows
+from hetsynth.instruction_set.blocks import mark_recomputed, recompute_units
+from hetsynth.instruction_set.models import parse_model_ref
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.training_state import TrainingState
+from hetsynth.planner.planner import DP_SEED, with_zero
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.input_rows import input_rows
 from test_parity import CONFIG, check_results, make
 
 # (model, compute ratios with a rank of none, state ratios: that rank holds rows of the state, or none)
@@ -32,8 +32,8 @@ CASES = [("bert:tiny,dtype=float64", [0.5, 0.3, 0.2, 0.0], [0.4, 0.3, 0.2, 0.1])
 def zero3_worker(rank: int, world: int, plan: Plan, config: TrainConfig) -> tuple:
     import torch.distributed as dist
 
-    from runtime.groups import Groups
-    from runtime.train import local_parameters, setup, train_step
+    from hetsynth.runtime.groups import Groups
+    from hetsynth.runtime.train import local_parameters, setup, train_step
 
     trainer = setup(plan, Groups.create(plan.mesh, rank, world=dist.group.WORLD), config)
     losses = [train_step(trainer, step).loss for step in range(config.steps)]

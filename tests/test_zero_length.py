@@ -31,21 +31,21 @@ import pytest
 import torch
 from torch import nn
 
-from instruction_set.args import decode_arg, encode_arg, refs_in
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.interpret import resolve_target, run_target
-from instruction_set.layouts import P, PMAX, R, Layout
-from instruction_set.local import EagerBuilder, LocalContext, emit_local, local_kinds
-from instruction_set.rules import Rule, registered_targets, rules_for
-from instruction_set.rules.elementwise import ELEMENTWISE
+from hetsynth.instruction_set.args import decode_arg, encode_arg, refs_in
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.interpret import resolve_target, run_target
+from hetsynth.instruction_set.layouts import P, PMAX, R, Layout
+from hetsynth.instruction_set.local import EagerBuilder, LocalContext, emit_local, local_kinds
+from hetsynth.instruction_set.rules import Rule, registered_targets, rules_for
+from hetsynth.instruction_set.rules.elementwise import ELEMENTWISE
 
 try:  # registers transformers' MoE custom op, so that the surface below holds it in every order of tests
     import transformers.integrations.moe  # noqa: F401
 except ImportError:  # transformers is a dev dependency; without it the op is not loaded and not accepted
     pass
-from instruction_set.rules.registry import _rule_fn, replicated
-from instruction_set.rules.surface import classify, core_ops
-from planner.lower import KEEP
+from hetsynth.instruction_set.rules.registry import _rule_fn, replicated
+from hetsynth.instruction_set.rules.surface import classify, core_ops
+from hetsynth.planner.lower import KEEP
 
 Sample = tuple[tuple, dict]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetsynth.zoo import ZOO
-from instruction_set.models import ModelRefError, parse_model_ref, with_overrides
+from hetsynth.instruction_set.models import ModelRefError, parse_model_ref, with_overrides
 
 NATIVE = ["gpt", "bert", "vit", "vgg", "moe"]
 
@@ -106,14 +106,14 @@ def test_the_zoo_reaches_the_registry_through_its_entry_point() -> None:
     loads the `hetsynth.models` entry points, and the zoo's registers every ZOO entry."""
     import importlib.metadata
 
-    from instruction_set.models import ENTRY_POINTS, families
+    from hetsynth.instruction_set.models import ENTRY_POINTS, families
 
     assert [ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)] == ["hetsynth.zoo"]
     assert {name: f for name, f in families().items() if name in ZOO} == dict(ZOO)
 
 
 def test_without_model_families_the_error_says_how_to_install_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    import instruction_set.models as models
+    import hetsynth.instruction_set.models as models
 
     monkeypatch.setattr(models, "_FAMILIES", {})
     monkeypatch.setattr(models, "_plugins_loaded", True)

@@ -10,8 +10,8 @@ is registered as a model family when this package loads (the `hetsynth.models` e
 from __future__ import annotations
 
 from hetsynth.zoo import bert, gpt, hf, hf_auto, moe, resnet, torch_layers, vgg, vit
-from instruction_set.models import ModelFamily as ZooModel
-from instruction_set.models import ModelResolver, register_family, register_resolver
+from hetsynth.instruction_set.models import ModelFamily as ZooModel
+from hetsynth.instruction_set.models import ModelResolver, register_family, register_resolver
 
 
 ZOO: dict[str, ZooModel] = {

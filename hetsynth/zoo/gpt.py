@@ -13,7 +13,7 @@ from torch import nn
 
 from hetsynth.zoo.config import Fraction, TokenModel, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style
-from instruction_set.models import seeded_generator
+from hetsynth.instruction_set.models import seeded_generator
 
 
 @zoo_config

@@ -47,7 +47,7 @@ from pydantic import ValidationError
 
 from hetsynth.zoo.config import Count, FloatDType, Pair, zoo_config
 from hetsynth.zoo.vit import image_batch
-from instruction_set.models import ModelRefError, ModelSpec, config_error, seeded_generator
+from hetsynth.instruction_set.models import ModelRefError, ModelSpec, config_error, seeded_generator
 
 TASKS = ("seq2seq-lm", "masked-lm", "causal-lm", "image-classification")
 _MAPPINGS = {"seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",

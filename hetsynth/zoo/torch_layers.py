@@ -31,7 +31,7 @@ from torch import nn
 
 from hetsynth.zoo.config import Count, TokenModel as TokenConfig, check_heads, zoo_config
 from hetsynth.zoo.vit import image_batch
-from instruction_set.models import seeded_generator
+from hetsynth.instruction_set.models import seeded_generator
 
 TOKENS = ("transformer-encoder", "transformer", "mha", "lstm", "gru")
 IMAGES = ("groupnorm", "instancenorm", "depthwise", "unet")

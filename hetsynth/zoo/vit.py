@@ -14,7 +14,7 @@ from torch import nn
 
 from hetsynth.zoo.config import Count, Fraction, TransformerStack, zoo_config
 from hetsynth.zoo.layers import Block, init_gpt_style
-from instruction_set.models import seeded_generator
+from hetsynth.instruction_set.models import seeded_generator
 
 
 @zoo_config

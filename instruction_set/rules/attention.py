@@ -13,9 +13,9 @@ The sequence dims are never split (softmax reduces over keys, causal masks index
 
 from __future__ import annotations
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import R, S
-from instruction_set.rules.registry import Rule, arg, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, register
 
 
 def _grouped(q: TensorMeta, kv: TensorMeta) -> bool:

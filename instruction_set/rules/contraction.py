@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import string
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, R, S
-from instruction_set.rules.registry import Rule, arg, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, register
 
 
 def contraction_rules(ops: list[str], out: str, sizes: dict[str, int],

@@ -19,9 +19,9 @@ transform and are linear.
 
 from __future__ import annotations
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, R, S
-from instruction_set.rules.registry import Rule, arg, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, register
 
 
 def _conv(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:

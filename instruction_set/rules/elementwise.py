@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, R, S
-from instruction_set.rules.registry import Rule, register, register_tag
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, R, S
+from hetsynth.instruction_set.rules.registry import Rule, register, register_tag
 
 ADDITIVE, BILINEAR, FIRST, UNARY = "additive", "bilinear", "first", "unary"
 

@@ -8,9 +8,9 @@ Vocab-parallel: weight S0, idx R -> P; each rank looks up the ids it owns and wr
 
 from __future__ import annotations
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, R, S
-from instruction_set.rules.registry import Rule, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, R, S
+from hetsynth.instruction_set.rules.registry import Rule, register
 
 
 def _embedding(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:

@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, R, S
-from instruction_set.rules.registry import Rule, arg, register, replicated
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, register, replicated
 
 GROUPED_MM = ("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
 FACTORIES = ("aten.empty_permuted.default",)

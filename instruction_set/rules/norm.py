@@ -6,9 +6,9 @@ softmax / log_softmax(x, dim): x sharded on any dim but `dim`.
 
 from __future__ import annotations
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import R, S
-from instruction_set.rules.registry import Rule, arg, norm_dim, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, norm_dim, register
 
 
 def _layer_norm(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:

@@ -17,9 +17,9 @@ after them shard (the index tensors R); linear in x.
 
 from __future__ import annotations
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, PMAX, R, S
-from instruction_set.rules.registry import Rule, arg, norm_dim, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, PMAX, R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, norm_dim, register
 
 
 WHOLE = ("aten.sum.default", "aten.mean.default", "aten.amax.default", "aten.amin.default",

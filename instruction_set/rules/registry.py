@@ -28,9 +28,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.interpret import resolve_target
-from instruction_set.layouts import PMAX, R, Layout
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.interpret import resolve_target
+from hetsynth.instruction_set.layouts import PMAX, R, Layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ them plans without `--allow-replicate-fallback`.
 
 from __future__ import annotations
 
-from instruction_set.rules.registry import register, replicated
+from hetsynth.instruction_set.rules.registry import register, replicated
 
 _FACTORY = "a tensor factory: it builds a (small) constant, the same on every rank"
 _RANDOM = ("draws random values: drawn whole on every rank from the same generator state, "

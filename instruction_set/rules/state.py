@@ -8,7 +8,7 @@ runtime writes the value into the rank's buffer after the backward pass.
 
 from __future__ import annotations
 
-from instruction_set.rules.registry import register, replicated
+from hetsynth.instruction_set.rules.registry import register, replicated
 
 BUFFER_UPDATE = "aten.copy_.default"
 

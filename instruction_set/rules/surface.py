@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from instruction_set.rules.registry import is_supported
-from instruction_set.rules.replicated_only import REASONS
+from hetsynth.instruction_set.rules.registry import is_supported
+from hetsynth.instruction_set.rules.replicated_only import REASONS
 
 DECOMPOSED = {
     "aten._native_batch_norm_legit_functional.default": "batch norm (training): means, all-reduced when batch-split",

@@ -10,9 +10,9 @@ scaled shard lengths once (instruction_set.shards). Views are linear, so P passe
 
 from __future__ import annotations
 
-from instruction_set.graph import Node, TensorMeta
-from instruction_set.layouts import P, R, S
-from instruction_set.rules.registry import Rule, arg, norm_dim, register
+from hetsynth.instruction_set.graph import Node, TensorMeta
+from hetsynth.instruction_set.layouts import P, R, S
+from hetsynth.instruction_set.rules.registry import Rule, arg, norm_dim, register
 
 Shape = tuple[int, ...]
 

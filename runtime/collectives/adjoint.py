@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from instruction_set.kinds import kind
-from runtime.collectives import gather, scatter  # noqa: F401  (they register their variants)
-from runtime.collectives.registry import COLLECTIVE_VARIANTS, Impl
-from runtime.collectives.span import Span
+from hetsynth.instruction_set.kinds import kind
+from hetsynth.runtime.collectives import gather, scatter  # noqa: F401  (they register their variants)
+from hetsynth.runtime.collectives.registry import COLLECTIVE_VARIANTS, Impl
+from hetsynth.runtime.collectives.span import Span
 
 
 class Adjoint(torch.autograd.Function):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.collectives.span import Span
+from hetsynth.runtime.collectives.span import Span
 
 
 def reduce_ring(x: torch.Tensor, span: Span) -> torch.Tensor:

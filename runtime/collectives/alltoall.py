@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.collectives.span import Span
+from hetsynth.runtime.collectives.span import Span
 
 
 def exchange_dims(x: torch.Tensor, src: Span, dst: Span) -> torch.Tensor:

@@ -41,9 +41,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from instruction_set.shards import largest_remainder
-from runtime.collectives import ring
-from runtime.collectives.span import Span, pad_rows
+from hetsynth.instruction_set.shards import largest_remainder
+from hetsynth.runtime.collectives import ring
+from hetsynth.runtime.collectives.span import Span, pad_rows
 
 Compute = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 # (member j, first row in x_j, rows, out): writes the output of those rows into `out` (a view

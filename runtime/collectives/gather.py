@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.collectives import ring
-from runtime.collectives.registry import COLLECTIVE_VARIANTS
-from runtime.collectives.span import Span, from_front, pad_rows, to_front
+from hetsynth.runtime.collectives import ring
+from hetsynth.runtime.collectives.registry import COLLECTIVE_VARIANTS
+from hetsynth.runtime.collectives.span import Span, from_front, pad_rows, to_front
 
 
 def gather_padded(x: torch.Tensor, span: Span) -> torch.Tensor:

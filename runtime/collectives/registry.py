@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from instruction_set.kinds import Implementations
-from runtime.collectives.span import Span
+from hetsynth.instruction_set.kinds import Implementations
+from hetsynth.runtime.collectives.span import Span
 
 Impl = Callable[[torch.Tensor, Span], torch.Tensor]
 COLLECTIVE_VARIANTS: Implementations[Impl] = Implementations("collective implementation")

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from runtime.collectives.span import Span
+from hetsynth.runtime.collectives.span import Span
 
 
 def post(send: torch.Tensor | None, recv: torch.Tensor | None, span: Span, direction: int = 1) -> list[Any]:

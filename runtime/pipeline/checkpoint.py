@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint import (check_resume, load_buffers, model_state_dict, optimizer_settings, read_checkpoint,
+from hetsynth.runtime.checkpoint import (check_resume, load_buffers, model_state_dict, optimizer_settings, read_checkpoint,
                                 state_slices, write_checkpoint)
-from runtime.codegen import local_slice
-from runtime.pipeline.trainer import PipelineTrainer, assemble, local_buffers, local_parameters
+from hetsynth.runtime.codegen import local_slice
+from hetsynth.runtime.pipeline.trainer import PipelineTrainer, assemble, local_buffers, local_parameters
 
 Slices = dict[str, tuple[int, str, torch.Tensor]]  # fqn -> (stage, storage layout, this rank's slice)
 

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from instruction_set.plan import Plan
-from instruction_set.shards import MeshLayout
-from runtime.codegen import local_slice
-from runtime.input_rows import check_rows
-from runtime.parallel import Piece, PlannedModule
-from runtime.pipeline.checkpoint import whole_buffers as merge_buffers
-from runtime.pipeline.trainer import (assemble, build, clip_grad_norm, first_holder, local_buffers,
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.runtime.codegen import local_slice
+from hetsynth.runtime.input_rows import check_rows
+from hetsynth.runtime.parallel import Piece, PlannedModule
+from hetsynth.runtime.pipeline.checkpoint import whole_buffers as merge_buffers
+from hetsynth.runtime.pipeline.trainer import (assemble, build, clip_grad_norm, first_holder, local_buffers,
                                       local_parameters, run_actions, scale_of, sync_gradients, twin)
-from runtime.rank_state import precision
+from hetsynth.runtime.rank_state import precision
 
 TRAIN_STEP = "a pipeline plan runs forward and backward together: use loss = pm.train_step(*inputs)"
 

@@ -15,14 +15,14 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from instruction_set.files import write_atomic
-from instruction_set.plan import Plan
-from runtime.checkpoint import save_atomic
-from runtime.config import train_config
-from runtime.pipeline.checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint, whole_buffers
-from runtime.pipeline.trainer import assemble, local_buffers, local_parameters, setup, train_step
+from hetsynth.instruction_set.files import write_atomic
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.runtime.checkpoint import save_atomic
+from hetsynth.runtime.config import train_config
+from hetsynth.runtime.pipeline.checkpoint import load_pipeline_checkpoint, save_pipeline_checkpoint, whole_buffers
+from hetsynth.runtime.pipeline.trainer import assemble, local_buffers, local_parameters, setup, train_step
 
-log = logging.getLogger("runtime.worker")
+log = logging.getLogger("hetsynth.runtime.worker")
 
 UNSUPPORTED = {"trace_raw": "--trace-raw", "memory_report": "--memory-report"}
 

@@ -34,22 +34,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from instruction_set.interpret import call_node, constant
-from instruction_set.layouts import Layout
-from instruction_set.models import ModelSpec, parse_model_ref, with_dtype
-from instruction_set.pipeline import Pipeline, PipelineStage
-from instruction_set.plan import Plan
-from instruction_set.precision import with_float_dtype
-from instruction_set.schedule import ActionOp
-from instruction_set.shards import MeshLayout
-from runtime.codegen import RankProgram, build_rank_program, local_slice
-from runtime.config import TrainConfig
-from runtime.groups import Groups, group_timeout
-from runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
-from runtime.mixed_precision import autocast, loss_scaler
-from runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
-from runtime.rank_state import precision
-from runtime.train import check_finite, check_state, initial_state, make_optimizer
+from hetsynth.instruction_set.interpret import call_node, constant
+from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.models import ModelSpec, parse_model_ref, with_dtype
+from hetsynth.instruction_set.pipeline import Pipeline, PipelineStage
+from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.precision import with_float_dtype
+from hetsynth.instruction_set.schedule import ActionOp
+from hetsynth.instruction_set.shards import MeshLayout
+from hetsynth.runtime.codegen import RankProgram, build_rank_program, local_slice
+from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.groups import Groups, group_timeout
+from hetsynth.runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
+from hetsynth.runtime.mixed_precision import autocast, loss_scaler
+from hetsynth.runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
+from hetsynth.runtime.rank_state import precision
+from hetsynth.runtime.train import check_finite, check_state, initial_state, make_optimizer
 
 MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from instruction_set.resharding import Box, ReshardPlan
-from runtime.collectives import Span, all_reduce, reduce_scatter
+from hetsynth.instruction_set.resharding import Box, ReshardPlan
+from hetsynth.runtime.collectives import Span, all_reduce, reduce_scatter
 
 
 @dataclass
