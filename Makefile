@@ -1,11 +1,12 @@
-# The two commands of the README. Both create .venv when it is missing (idempotent: the
-# stamp file is only rebuilt when pyproject.toml changes), install the project in editable
-# mode with its dev extra, then run.
+# The two commands of the README (make demo, make test) and the habits beside them (make
+# test-fast, make lint, make docs). Each creates .venv when it is missing (idempotent: the stamp
+# file is only rebuilt when pyproject.toml changes), installs the project in editable mode with
+# its dev extra, then runs.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetsynth-installed
 
-.PHONY: demo test
+.PHONY: demo test test-fast lint docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,5 +17,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m hetsynth demo
 
-test: $(STAMP)
+# the whole suite, multi-process tests included, after the lint
+test: lint
 	$(PY) -m pytest -q
+
+# pure logic and single-process tests: those not marked slow (tests/conftest.py marks every test
+# that uses the spawned rank pools; modules that launch ranks mark themselves)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# regenerate docs/cli.md (from the argparse parsers), bench/README.md and README.md's headline
+# table (from bench/results/*.json); make test fails while either is stale
+docs: $(STAMP)
+	$(PY) docs/make_cli_reference.py
+	$(PY) bench/make_readme.py
+

@@ -4,8 +4,12 @@ table, write JSON to bench/results/."""
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shlex
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +48,73 @@ def print_tables(rows: list[list[Any]], header: list[str]) -> None:
     print("\n" + markdown_table(rows, header))
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def machine() -> dict[str, Any]:
+    """This machine as a result records it: CPU model, logical cores, memory, GPU, torch."""
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+        torch_version = torch.__version__
+    except Exception:  # noqa: BLE001 - a result is still written without torch
+        gpu, torch_version = "unknown", "not installed"
+    return {"cpu": _cpu_model(), "logical_cores": os.cpu_count(), "memory_gib": _memory_gib(), "gpu": gpu,
+            "torch": torch_version}
+
+
+def commit() -> dict[str, Any]:
+    """The commit the benchmark ran at, and whether the working tree had uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {"hash": "unknown"}
+    return {"hash": head or "unknown", **({"dirty": True} if dirty else {})}
+
+
+def meta() -> dict[str, Any]:
+    """What bench/make_readme.py prints beside a result: the command that produced it, when, where
+    and at which commit."""
+    script = sys.argv[0] if sys.argv else ""
+    if script and not script.startswith("-"):
+        try:
+            script = str(Path(script).resolve().relative_to(ROOT))
+        except ValueError:
+            pass
+    return {"command": shlex.join(["python", script, *sys.argv[1:]]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "commit": commit()}
+
+
 def write_json(name: str, data: Any) -> Path:
+    """Write `data` to bench/results/NAME with a "meta" object (meta()) beside its figures."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / name
+    if isinstance(data, dict):
+        data = {**{k: v for k, v in data.items() if k != "meta"}, "meta": meta()}
+    else:  # a list result: wrapped, so that it too carries its meta
+        data = {"results": data, "meta": meta()}
     path.write_text(json.dumps(data, indent=2))
     return path

@@ -29,12 +29,16 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common import RESULTS, ROOT, markdown_table, print_table, write_json
 
 sys.path.insert(0, str(ROOT))
 
 from hetsynth.instruction_set.program import FUSED_MATMULS  # noqa: E402  (after the path)
+
+if TYPE_CHECKING:
+    from hetsynth.cost_models.fused import Ring
 
 BASE = RESULTS / "local-emulated-measured.toml"
 # GPT small-cpu widened (hidden 512, FFN 2048) on 8 sequences of 64 tokens: weights big against
@@ -160,8 +164,8 @@ class Model:
 #           135 ms), t_p of 2 MiB ~ 85 ms; rs: out 1024, hidden H
 # Measurability sets the smallest t_p / t_c: with two ranks the unfused pair's communication is
 # about t_p / (2 t_c) of the matmul, and a one-thread matmul's time here moves by 5-10% (sd) from
-# call to call (exposure_interval), so where the communication is 10-17% of the matmul (stop 32:
-# inside ag/rs 1024, across 12288; stop 33: inside ag 512 and 640) a run's fused exposure had a 90%
+# call to call (exposure_interval), so where the communication is 10-17% of the matmul (in two
+# earlier runs: inside ag/rs 1024, across 12288; inside ag 512 and 640) a run's fused exposure had a 90%
 # interval up to -0.99..0.86, wider than anything the ring could show. The sizes where t_p < t_c
 # are hence those whose communication was measured >= ~20% of the matmul (t_p / t_c >= ~0.4);
 # they repeat the most (an interval narrows as 1 / sqrt(repetitions)).
@@ -210,7 +214,7 @@ def over_matmul(samples: dict[str, list[float]], variant: str, pick: list[int] |
 def exposure(samples: dict[str, list[float]], variant: str, pick: list[int] | None = None) -> float:
     """The exposed communication fraction (variant - matmul) / (unfused - matmul), both paired
     (over_matmul); nan where the unfused pair measured no slower than the matmul alone. In four
-    runs (two of stop 32's, two of stop 33's before the change), the paired form's 90% interval
+    earlier runs of this benchmark, the paired form's 90% interval
     (exposure_interval) was narrower than that of the ratio of the medians in 20-25 of the 32
     cases, 0.71-0.85x as wide (median), so it is the figure; the medians' ratio is recorded
     beside it."""

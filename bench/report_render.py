@@ -9,12 +9,11 @@ writes bench/results/report_render.json; the screenshot lands beside the page.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
 
-from common import RESULTS, ROOT, print_table
+from common import ROOT, print_table, write_json
 from render import COMMUNICATION_RGB, COMPUTE_RGB, chromium, dark_pixels, pixels_of, png_pixels, screenshot
 
 EXTERNAL = r"(?i)(?:https?:|ftp:|file:|//[a-z0-9.-]+\.[a-z]{2,}|\bsrc\s*=|\bhref\s*=|@import|url\()"
@@ -38,8 +37,7 @@ def main() -> int:
               "dark_pixels": dark_pixels(pixels), "timelines": html.count('class="timeline"'),
               "tables": html.count("<table"), "external_references": re.findall(EXTERNAL, html)}
     print_table([[k, v] for k, v in result.items()], ["", "value"])
-    (RESULTS / "report_render.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'report_render.json'}")
+    print(f"wrote {write_json('report_render.json', result)}")
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS, print_table  # noqa: E402
+from bench.common import print_table, write_json  # noqa: E402
 
 
 def measure(model: str, rounds: int, warmup: int) -> dict:
@@ -71,9 +71,7 @@ def main() -> int:
           f"{'' if r['emulated'] else ' (NOT emulated: plain local processes)'}")
     verdict = "within" if r["ratio_of_medians"] <= 1.05 else "NOT within"
     print(f"tracing overhead {100 * (r['ratio_of_medians'] - 1):+.1f}%: {verdict} 5%")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "trace_overhead.json").write_text(json.dumps(r, indent=1))
-    print(f"wrote {RESULTS / 'trace_overhead.json'}")
+    print(f"wrote {write_json('trace_overhead.json', r)}")
     return 0
 
 

@@ -61,7 +61,8 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, help="plan for the first N devices of the cluster")
     p.add_argument("--ratios", help="fix the sharding ratios, e.g. 0.7,0.3 (no LP)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
-    p.add_argument("--allow-replicate-fallback", action="store_true")
+    p.add_argument("--allow-replicate-fallback", action="store_true",
+                   help="accept ops without a sharding rule as replicated-only ops")
     p.add_argument("--measure-ops", action="store_true",
                    help="time the model's ops on this machine (for clusters of its CPUs, e.g. emulated)")
     p.add_argument("--data-parallel", action="store_true",
@@ -378,8 +379,8 @@ def launch_run(args: argparse.Namespace) -> int:
 
 def explain_args(p: argparse.ArgumentParser) -> None:
     """print one rank's generated program and shard table"""
-    p.add_argument("plan")
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("plan", help="plan file (hetsynth plan's output)")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose program is shown")
 
 
 def explain_run(args: argparse.Namespace) -> int:
@@ -394,8 +395,8 @@ def explain_run(args: argparse.Namespace) -> int:
 
 def profile_args(p: argparse.ArgumentParser) -> None:
     """measure device throughput and collective alpha-beta; write a measured spec"""
-    p.add_argument("--cluster", required=True)
-    p.add_argument("-o", "--output", default="measured.toml")
+    p.add_argument("--cluster", required=True, help="cluster spec to measure (.toml or .json); its devices run here")
+    p.add_argument("-o", "--output", default="measured.toml", help="where to write the measured spec")
     p.add_argument("--seconds", type=float, default=1.0, help="time spent on each compute measurement")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each collective measurement")
     p.add_argument("--max-bytes", type=int, default=16 * 2**20, help="largest message measured")
@@ -433,8 +434,8 @@ def profile_run(args: argparse.Namespace) -> int:
 
 def demo_args(p: argparse.ArgumentParser) -> None:
     """the README demo: plan a model for the local emulated cluster, run it and DP-EV there"""
-    p.add_argument("--model", default="gpt:small-cpu")
-    p.add_argument("--cluster", default="configs/clusters/local-emulated.toml")
+    p.add_argument("--model", default="gpt:small-cpu", help="model reference to plan and train")
+    p.add_argument("--cluster", default="configs/clusters/local-emulated.toml", help="cluster spec (emulated here)")
     p.add_argument("--profile", action="store_true", help="measure the cluster again first")
     p.add_argument("--warmup", type=int, default=2, help="steps of each plan before timing")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of 2 steps of each plan")

@@ -37,7 +37,7 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from hetsynth.cost_models.flows import NicModel, chain_seconds, chunk_bytes, host_map, hops, lower_bound, schedule_cost
-from hetsynth.instruction_set.resharding import (Box, Chain, MethodCost, ReshardError, ReshardMethod, ReshardPlan,
+from hetsynth.instruction_set.resharding import (Box, Chain, ReshardError, ReshardMethod, ReshardPlan,
                                         ReshardSpec, Slice, SourceReduction, Tile, check_chains, check_slices,
                                         full_box, reduced_side, slices, tiles)
 from hetsynth.instruction_set.shards import largest_remainder

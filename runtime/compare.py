@@ -201,14 +201,16 @@ def aligned_events(by_rank: list[list[list[tuple[str, int, float, float]]]]) -> 
              for i, step in enumerate(rank)] for rank in by_rank]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hetsynth.runtime.compare")
-    p.add_argument("--plans", nargs="*", default=[])
-    p.add_argument("--names", nargs="*", default=[])
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetsynth.runtime.compare",
+                                description="Time several plans of one model on the same ranks, interleaved "
+                                            "(run under torchrun, or hetsynth's launcher, on every rank)")
+    p.add_argument("--plans", nargs="*", default=[], help="plan files of hetsynth's entries (one model)")
+    p.add_argument("--names", nargs="*", default=[], help="one name per plan, as the report names them")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones")
+    p.add_argument("--rounds", type=int, default=4, help="timed rounds; each runs every entry in turn")
     p.add_argument("--steps", type=int, default=2, help="steps per plan per round")
-    p.add_argument("--report", required=True)
+    p.add_argument("--report", required=True, help="JSON file rank 0 writes: every entry's step times")
     p.add_argument("--traced", help="the plan whose steps are also run traced, interleaved (module docstring)")
     p.add_argument("--trace-raw", help="directory for every rank's raw record of the traced steps")
     p.add_argument("--ddp", nargs="*", default=[], metavar="NAME=MODE:PLAN",
@@ -217,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"torch FSDP2 entries: MODE one of {', '.join(FSDP_MODES)} (module docstring)")
     p.add_argument("--user", nargs="*", default=[], metavar="NAME=PLAN",
                    help="PLAN's module (hetsynth.parallelize's) trained by a user's loop (module docstring)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if len(args.plans) != len(args.names):
         p.error(f"{len(args.plans)} --plans but {len(args.names)} --names: give one name per plan")

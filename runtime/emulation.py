@@ -31,8 +31,8 @@ From a cluster spec with an `emulation` section:
   Why: in one quota, a collective's threads are throttled with the compute once the period's
   quota is spent, so every message of an asynchronous collective waited up to 7.5 ms (0.25 CPU)
   for its thread to run, and its CPU slowed the compute it was meant to hide under; on a GPU
-  the NIC and the copy engines move the bytes beside the SMs. (Measured with the shared quota,
-  stop 29: GPT small-cpu's gradient buckets took 150 ms for 1.9 MB over a 25 MB/s link, 75 ms of
+  the NIC and the copy engines move the bytes beside the SMs. (Measured with the shared quota:
+  GPT small-cpu's gradient buckets took 150 ms for 1.9 MB over a 25 MB/s link, 75 ms of
   wire, and a ring step inside a node could not hide under a matmul at all.) The main thread
   (the device) still sends the first part of a point-to-point message itself: gloo writes what
   the socket takes at once on the posting thread.

@@ -25,13 +25,15 @@ autocast around its forward passes and the run's one loss scaler.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hetsynth.instruction_set.matmul_rates import Dtype
 from hetsynth.instruction_set.plan import Plan
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 TORCH_DTYPES = {Dtype.BFLOAT16: torch.bfloat16, Dtype.FLOAT16: torch.float16}
 
@@ -61,20 +63,27 @@ def reference_dtype(plan: Plan) -> torch.dtype | None:
     return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else None
 
 
-def autocast(plan: Plan, rank: int, device: torch.device, twin: str | None = None) -> contextlib.AbstractContextManager:
-    """The context of the rank's forward passes: torch.autocast of its compute dtype, or
-    nothing (float32, or a twin in another dtype)."""
-    dtype = compute_dtype(plan, rank)
-    if dtype is None or twin is not None:
+def forward_dtype(plan: Plan, rank: int, twin: str | None = None) -> torch.dtype | None:
+    """What rank `rank`'s forward passes autocast to: its compute dtype, None in float32 or in
+    a twin (another dtype throughout). Resolved once per module, not per forward."""
+    return None if twin is not None else compute_dtype(plan, rank)
+
+
+def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context of a forward pass: torch.autocast of `dtype` (forward_dtype's), or nothing."""
+    if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def loss_scaler(plan: Plan, device: torch.device, group: Any, twin: str | None = None) -> ShardedGradScaler:
+def loss_scaler(plan: Plan, device: torch.device, group: Any, twin: str | None = None) -> "ShardedGradScaler":
     """The run's loss scaler over `group` (every rank of the plan): enabled where some kind
     computes in float16 (and not in a twin)."""
     enabled = plan.precision_policy().loss_scaling and twin is None
+    # imported here: torch.distributed.fsdp loads DTensor (0.8 s) on every rank that imports this module
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
     return ShardedGradScaler(device=device.type, enabled=enabled, process_group=group)
 
 
-__all__ = ["TORCH_DTYPES", "autocast", "compute_dtype", "loss_scaler", "reference_dtype", "wire_dtype"]
+__all__ = ["TORCH_DTYPES", "autocast", "compute_dtype", "forward_dtype", "loss_scaler", "reference_dtype", "wire_dtype"]

@@ -56,7 +56,7 @@ from hetsynth.instruction_set.shards import MeshLayout
 from hetsynth.runtime.codegen import RankProgram, build_rank_program, local_slice
 from hetsynth.runtime.groups import Groups
 from hetsynth.runtime.input_rows import check_rows, input_names, input_rows, layout_rows, local_rows
-from hetsynth.runtime.mixed_precision import autocast, loss_scaler
+from hetsynth.runtime.mixed_precision import autocast, forward_dtype, loss_scaler
 from hetsynth.runtime.rank_state import assemble, clip_norm, counts_once, gradient_sync, precision, stored_buffers
 from hetsynth.runtime.zero import ZeroState
 
@@ -155,7 +155,8 @@ class ParallelModule(PlannedModule):
                           device=device, dtype=dtype, unread=unread, pending=None, stale=False,
                           new_cycle=True, synced=True, rows=input_rows(plan, groups.rank),
                           backward_done_s=0.0, bucket_timings=[],
-                          scaler=loss_scaler(plan, device, groups.group("all"), dtype))
+                          scaler=loss_scaler(plan, device, groups.group("all"), dtype),
+                          autocast_dtype=forward_dtype(plan, groups.rank, dtype))
         vars(self)["_reads"] = self._layout_positions()
         vars(self)["_leaf_ids"] = {id(p) for _, p in self.named_parameters()}
         ref = weakref.ref(self)
@@ -240,7 +241,7 @@ class ParallelModule(PlannedModule):
             self._begin_cycle()
         args = [inputs[i][where].to(self.device) for i, where in self._reads]
         gathers = self.program.gathers
-        with precision(self.dtype), autocast(self.plan, self.groups.rank, self.device, self.dtype), \
+        with precision(self.dtype), autocast(self.autocast_dtype, self.device), \
                 (gathers.releasing() if gathers is not None and grad else contextlib.nullcontext()):
             loss, *updates = self.program.module(*args)
         vars(self)["pending"] = list(updates)

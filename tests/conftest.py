@@ -25,6 +25,14 @@ class Pools:
             pool.close()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on the spawned rank pools is a multi-process test: marked slow (make test-fast
+    leaves it out), as are the modules that launch ranks themselves (their own pytestmark)."""
+    for item in items:
+        if "pools" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def pools() -> Iterator[Pools]:
     p = Pools()

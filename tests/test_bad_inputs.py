@@ -206,6 +206,7 @@ def valid_plan() -> dict:
 
 
 @pytest.mark.parametrize("argv, needle", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_bad_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], needle: str, valid_plan: dict,
                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "m.py").write_text(MODEL)
@@ -222,6 +223,7 @@ def test_bad_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], 
     assert time.perf_counter() - start < 10
 
 
+@pytest.mark.slow
 def test_hopeless_memory_fails_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """gpt:xl's training state (23 GiB) on the emulated cluster (16 GiB): refused before the
     search, in seconds (was 313 s)."""

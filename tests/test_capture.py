@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hetsynth import capture_model
@@ -20,6 +19,7 @@ ZOO_TINY = ["gpt:tiny", "bert:tiny", "vit:tiny", "vgg:tiny", "moe:tiny"]
 
 
 @pytest.mark.parametrize("ref", ZOO_TINY + ["hf-gpt2:tiny", "hf-bert:tiny"])
+@pytest.mark.slow
 def test_reference_graph_computes_the_models_loss(ref: str) -> None:
     """The captured graph (cross-entropy decomposed) gives the module's own loss."""
     spec = parse_model_ref(ref + ",dtype=float64" if not ref.startswith("hf") else ref)
@@ -34,6 +34,7 @@ def test_reference_graph_computes_the_models_loss(ref: str) -> None:
     assert "cross_entropy_loss" not in summarize(graph)["op_counts"]
 
 
+@pytest.mark.slow
 def test_gpt2_small_flops_match_6nd() -> None:
     for ref in ["gpt:tiny", "gpt:small"]:
         spec = parse_model_ref(ref)
@@ -45,6 +46,7 @@ def test_gpt2_small_flops_match_6nd() -> None:
         assert 1.8 < bwd / fwd < 2.2
 
 
+@pytest.mark.slow
 def test_gpt2_xl_captures_on_meta() -> None:
     graph = capture_model("gpt:xl")
     assert 1.5e9 < graph.num_params < 1.6e9
@@ -97,6 +99,7 @@ class WithCustomOp(nn.Module):
         return (x.sum(-1) ** 2).mean()
 
 
+@pytest.mark.slow
 def test_unsupported_ops_are_all_listed() -> None:
     with pytest.raises(UnsupportedOpsError) as info:
         capture(WithCustomOp(mixers=7, branch=True), (torch.randn(4, 8),))
@@ -161,6 +164,7 @@ def test_export_failure_is_a_capture_error() -> None:
         capture(DataDependent(), (torch.randn(3),))
 
 
+@pytest.mark.slow
 def test_tied_weights_are_one_parameter() -> None:
     """export lifts a tied weight once per name; the graph holds it once, so it trains once."""
     spec = parse_model_ref("hf:opt")
@@ -202,6 +206,7 @@ def _canonical(graph: Any) -> list[str]:
 
 @pytest.mark.parametrize("ref, local", [("gpt:tiny", True), ("vgg:tiny", True), ("moe:tiny", True),
                                         ("hf:llama", True), ("resnet:tiny", False)])
+@pytest.mark.slow
 def test_local_decomposition_equals_the_retrace(ref: str, local: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """hetsynth.planner.decompose_local gives the graph run_decompositions gives (ops, arguments,
     shapes, places, FLOPs); a graph with mutations (BatchNorm's buffers) takes the retrace."""

@@ -31,6 +31,7 @@ def _small_lists(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("ref", MODELS)
+@pytest.mark.slow
 def test_block_capture_equals_whole(ref: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = parse_model_ref(ref)
     model = spec.build("meta")
@@ -75,6 +76,7 @@ class _Indexed(_Scaled):
 
 
 @pytest.mark.parametrize("cls", [_Scaled, _Indexed])
+@pytest.mark.slow
 def test_unreplicable_blocks_fall_back(cls: type, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="hetsynth.planner.capture"):
         blocks, whole = _both(cls(7), (torch.randn(4, 8),))

@@ -90,6 +90,7 @@ def assert_combines_to(plan: Plan, per_rank: list[list], plain: list) -> None:
 
 @pytest.mark.parametrize("kind", ["zero-ratio", "data-parallel", "sharded", "pipeline"])
 @pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.slow
 def test_ranks_combine_to_the_plain_batches(kind: str, shuffle: bool) -> None:
     plan, data = plan_of(kind), token_rows()
     batch, world = plan.model.batch_size, plan.cluster.num_devices

@@ -18,6 +18,7 @@ from hetsynth.checkpoint import export, export_state_dict
 from hetsynth.instruction_set.models import parse_model_ref
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.planner.planner import DP_SEED
+from hetsynth.api import _forced_zero as forced_zero
 from test_parity import make
 
 REF = "gpt:tiny,dtype=float64"
@@ -91,14 +92,13 @@ def _close(got: dict, want: dict) -> None:
 def _plan_b(kind: str) -> Plan:
     """4 ranks: ZeRO-2 at ratios 0.4/0.3/0.2/0.1, the planner's choice at those ratios, or a
     pipeline of 2 stages (0.7/0.3 | 0.5/0.5, GPT's embedding tied across them)."""
-    import hetsynth
     from hetsynth.instruction_set.schedule import Schedule
     from test_pipeline_parity import pipeline_plans
 
     if kind == "pipeline":
         return pipeline_plans(REF, 2, 3, (Schedule.ONE_F_ONE_B,))[0]
     plan = make(REF, [0.4, 0.3, 0.2, 0.1])
-    return hetsynth._forced_zero(plan, 2) if kind == "zero2" else plan
+    return forced_zero(plan, 2) if kind == "zero2" else plan
 
 
 @pytest.mark.parametrize("kind", ["zero2", "planner", "pipeline"])

@@ -43,6 +43,7 @@ def _expand(c: Cost, x) -> Cost:
     return type(c)(tuple(_expand(p, x) for p in c.parts))
 
 
+@pytest.mark.slow
 def test_a_class_holds_devices_with_equal_shares(problem: tuple[Problem, hetsynth.Plan]) -> None:
     pb, plan = problem
     assert pb.width < pb.cluster.num_devices

@@ -76,6 +76,7 @@ def test_shaper_commands_follow_the_link_queue() -> None:
 
 
 @needs_root
+@pytest.mark.slow
 def test_shaped_bandwidth_matches_spec() -> None:
     mbit = SPEC.links.inter_node_bandwidth_gbps * 1000
     megabytes = max(4, int(mbit / 8 * 3))  # about 3 seconds of traffic
@@ -90,6 +91,7 @@ def test_shaped_bandwidth_matches_spec() -> None:
 
 @needs_root
 @pytest.mark.parametrize("cluster", ["local-emulated", "slow-link-emulated"])
+@pytest.mark.slow
 def test_both_directions_at_once_each_get_the_link(cluster: str) -> None:
     """A full-duplex link: with link_queue = "priority" (the default), a stream each way at
     once each gets the spec's bandwidth (within 15%): a direction's acknowledgements do not
@@ -115,6 +117,7 @@ def test_both_directions_at_once_each_get_the_link(cluster: str) -> None:
 
 
 @needs_root
+@pytest.mark.slow
 def test_compute_ratio_matches_quotas() -> None:
     with Emulation(SPEC) as emu:
         env = {"HETSYNTH_EMULATION": emu.rank_env(), "PYTHONPATH": str(ROOT)}
@@ -180,6 +183,7 @@ def test_missing_quota_is_an_error_and_cleans_up() -> None:
 
 
 @needs_root
+@pytest.mark.slow
 def test_emulated_training_run_matches_and_leaves_nothing(tmp_path: Path) -> None:
     """hetsynth's plan, DP-EV, hetsynth's plan in a user's loop (hetsynth.parallelize's module)
     and torch DDP of GPT tiny train interleaved on the emulated cluster (runtime.compare, as
@@ -231,6 +235,7 @@ with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"]), "w") as out:
 
 
 @needs_root
+@pytest.mark.slow
 def test_a_one_node_emulated_cluster_is_emulated(tmp_path: Path) -> None:
     """A cluster of one node with an `emulation` section runs its workers in their devices'
     cgroups, each on one CPU (it ran them as plain processes at a whole CPU each before)."""
@@ -272,6 +277,7 @@ def test_sigterm_removes_the_emulation() -> None:
 
 
 @needs_root
+@pytest.mark.slow
 def test_model_timed_on_the_emulated_devices() -> None:
     """hetsynth.profiling.model_timing: every device times its rows (throughput-proportional, adding up
     to the batch); per row the slow kind (a quarter CPU) takes at least about the quota ratio

@@ -17,6 +17,9 @@ import pytest
 from hetsynth.instruction_set.cluster import dump_cluster_toml, load_cluster
 from test_launch import ROOT, hetsynth_cli
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 EXAMPLES = ROOT / "examples"
 FIRST_LAST = re.compile(r"first loss (\S+)\s+last loss (\S+)")
 

@@ -27,6 +27,9 @@ from hetsynth.planner.problem import Restrictions
 from hetsynth.runtime.check import check_on_pool, tensor_difference
 from hetsynth.runtime.config import TrainConfig
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 RATIOS = [0.4, 0.3, 0.2, 0.1]
 CONFIG = TrainConfig(steps=3, lr=1e-2)

@@ -20,6 +20,9 @@ from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth.runtime.emulation import leftovers
 from hetsynth.runtime.runstate import state_dir
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
 

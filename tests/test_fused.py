@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ import torch.distributed as dist
 from hetsynth.runtime.collectives.fused import ag_matmul_ring, ag_matmul_sliced, matmul_rs_ring, matmul_rs_sliced
 from hetsynth.runtime.collectives.span import Span
 from hetsynth.runtime.fused_ops import AGLinear, LinearRS
+
+if TYPE_CHECKING:
+    from hetsynth.instruction_set.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

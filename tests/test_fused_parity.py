@@ -36,6 +36,9 @@ from hetsynth.instruction_set.plan import Plan
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_parity import CONFIG, make, nodes, train_worker  # noqa: E402
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 FUSED = ("ag_matmul", "matmul_rs")
 
 

@@ -33,6 +33,7 @@ CLUSTER = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
 LLAMA = "hf:llama,batch_size=4,seq_len=8,dtype=float64"
 
 
+@pytest.mark.slow
 def test_llama_graph_at_batch_one_is_matched_to_the_full_batch() -> None:
     spec = parse_model_ref(LLAMA)
     full, small = capture_at(spec, 4), capture_at(spec, 1)

@@ -91,6 +91,7 @@ def test_factory_inputs_for_capture_are_its_shapes(tmp_path: Path) -> None:
     assert spec.batch_size == 4
 
 
+@pytest.mark.slow
 def test_changed_model_is_refused_naming_the_difference(tmp_path: Path) -> None:
     ref = _model_file(tmp_path)
     plan = hetsynth.plan(ref, cluster=str(CLUSTER), num_devices=2, ratios=[0.5, 0.5])
@@ -120,6 +121,7 @@ def test_ranks_refuse_a_model_with_other_parameters(tmp_path: Path) -> None:
         check_state(plan, initial_state(parse_model_ref(ref), seed=0)[0])
 
 
+@pytest.mark.slow
 def test_run_refuses_a_changed_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`hetsynth run` stops before any rank starts (exit 2, nothing trained)."""
     ref = _model_file(tmp_path)
@@ -197,6 +199,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600)
 
 
+@pytest.mark.slow
 def test_factory_model_runs_checked_and_stops_on_a_nan_loss(tmp_path: Path) -> None:
     """On two ranks the factory's model matches single-device training (--check, float64 twin:
     the ranks train on the factory's rows, as the reference does); with --lr 1e30 (the loss NaN

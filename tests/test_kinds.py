@@ -88,6 +88,7 @@ def scratch(monkeypatch: pytest.MonkeyPatch) -> Instruction:
     return Instruction(kind="scratch", tensor="t", layout="R", src="P", variant="x")
 
 
+@pytest.mark.slow
 def test_planning_a_kind_without_a_cost_term_fails_loudly(plan: hetsynth.Plan, scratch: Instruction) -> None:
     pb = Problem(plan.graph, plan.cluster, plan.sharding_ratios)
     with pytest.raises(MissingImplementation, match="'scratch'.*all_gather"):

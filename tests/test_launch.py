@@ -38,6 +38,7 @@ def workers_alive(plan_path: str) -> list[str]:
     return [line for line in ps.splitlines() if "hetsynth.runtime.worker" in line and plan_path in line]
 
 
+@pytest.mark.slow
 def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -> None:
     """Two steps on two devices saved (with --memory-report: a row per rank, predicted and
     measured agree; runtime.memory_report), then resumed to three under the four-device plan
@@ -66,6 +67,7 @@ def test_run_matches_single_device_and_resumes(plan_file: str, tmp_path: Path) -
     assert saved[1]["optimizer"]["kind"] == "adamw" and saved[1]["optimizer"]["settings"]["lr"] == 1e-3
 
 
+@pytest.mark.slow
 def test_float32_run_resumed_with_check(tmp_path: Path) -> None:
     """A float32 plan resumed with --check: its float64 twin and the single-device references
     resume from the same checkpoint (cast to float64 for the twin), so the comparison stays at
@@ -82,6 +84,7 @@ def test_float32_run_resumed_with_check(tmp_path: Path) -> None:
     assert "check: float64" in out.stdout and "OK" in out.stdout
 
 
+@pytest.mark.slow
 def test_killed_rank_is_named_and_nothing_is_left(plan_file: str) -> None:
     start = time.monotonic()
     out = hetsynth_cli("run", plan_file, "--steps", "40", "--timeout", "30", env={"HETSYNTH_FAULT": "1:2:kill"})
@@ -93,6 +96,7 @@ def test_killed_rank_is_named_and_nothing_is_left(plan_file: str) -> None:
     assert workers_alive(plan_file) == []
 
 
+@pytest.mark.slow
 def test_multi_node_cluster_prints_node_commands(tmp_path: Path) -> None:
     plan = hetsynth.plan("gpt:tiny", cluster=load_cluster(CLUSTERS / "a100-t4.toml"))
     path = tmp_path / "p.json"
@@ -119,6 +123,7 @@ def test_a_node_command_agent_parses_without_a_launcher() -> None:
     assert torchrun.master_addr == "127.0.0.1" and torchrun.nnodes == "2"
 
 
+@pytest.mark.slow
 def test_explain_prints_program_and_shards(plan_file: str) -> None:
     out = hetsynth_cli("explain", plan_file, "--rank", "3")
     assert out.returncode == 0, out.stderr

@@ -105,6 +105,7 @@ def launched(files: dict[str, str], plan: str, tmp_path: Path, *options: str) ->
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_launch_runs_the_script_on_every_rank(files: dict[str, str], tmp_path: Path) -> None:
     ranks = launched(files, files["plan"], tmp_path)
     for rank, seen in enumerate(ranks):
@@ -118,6 +119,7 @@ def test_launch_runs_the_script_on_every_rank(files: dict[str, str], tmp_path: P
 
 
 @pytest.mark.skipif(emulation.unavailable() is not None, reason=f"no emulation here: {emulation.unavailable()}")
+@pytest.mark.slow
 def test_launch_runs_on_the_emulated_cluster(files: dict[str, str], tmp_path: Path) -> None:
     """The spec's emulation section: each rank in its node's network namespace, its store at
     the node's address, not loopback; --timeout is the collective timeout hetsynth.parallelize
@@ -131,6 +133,7 @@ def test_launch_runs_on_the_emulated_cluster(files: dict[str, str], tmp_path: Pa
 @pytest.mark.parametrize("fail, says", [("raise", "rank 1 failed: ValueError: bad rank one"),
                                         ("exit", "rank 1 failed: exited with status 3 (sys.exit)"),
                                         ("stop", "rank 1 failed: stopped making progress")])
+@pytest.mark.slow
 def test_a_failing_rank_is_named_and_nothing_is_left(files: dict[str, str], tmp_path: Path, fail: str,
                                                      says: str) -> None:
     started = time.monotonic()
@@ -166,6 +169,7 @@ def test_bad_launch_inputs(files: dict[str, str], no_launch: None, capsys: pytes
         assert err.startswith("error: ") and says in err, err
 
 
+@pytest.mark.slow
 def test_run_a_plan_made_from_a_module_with_model(files: dict[str, str], tmp_path: Path) -> None:
     rel = os.path.relpath(files["net"], ROOT)  # a relative file.py:factory, as a user types it
     out = hetsynth_cli("run", files["plan"], "--model", f"{rel}:make", "--steps", "2",

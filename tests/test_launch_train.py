@@ -9,7 +9,6 @@ is named."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,11 @@ import pytest
 import torch
 
 import hetsynth
+from hetsynth.api import _forced_zero as forced_zero
 from test_parity import CLUSTER
+
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 
@@ -134,7 +137,7 @@ def other_plans(module, inputs, tmp: Path) -> None:
     tp = make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=megatron_restrictions(cluster),
                    with_baselines=False)
     assert any(i.kind == "param" and i.layout.is_shard for i in tp.instructions), "no sharded parameter"
-    zero2 = hetsynth._forced_zero(make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=DP_SEED,
+    zero2 = forced_zero(make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=DP_SEED,
                                             with_baselines=False), 2)
     hetsynth.save_plan(tp, tmp / "tp.json")
     hetsynth.save_plan(zero2, tmp / "zero2.json")

@@ -17,6 +17,7 @@ def test_no_upward_imports() -> None:
     assert found == [], "\n".join(found)
 
 
+@pytest.mark.slow
 def test_no_import_cycles() -> None:
     found = import_cycles(ROOT)
     assert found == [], "\n".join(found)
@@ -42,6 +43,7 @@ def _append(path: Path, text: str) -> int:
      "instruction_set"),
     ("cost_models/comm.py", "import hetsynth.runtime.groups", "cost_models", "runtime.groups", "instruction_set"),
 ])
+@pytest.mark.slow
 def test_upward_import_in_a_scratch_copy_fails(tmp_path: Path, file: str, text: str, package: str,
                                                module: str, allowed: str) -> None:
     root = _scratch(tmp_path)

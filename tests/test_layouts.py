@@ -42,6 +42,7 @@ def _space(ref: str) -> set[Layout]:
 
 
 @pytest.mark.parametrize("ref", ["gpt:tiny", "moe:tiny", "vgg:tiny"])
+@pytest.mark.slow
 def test_every_layout_of_the_space_reads_back_as_itself(ref: str) -> None:
     space = _space(ref)
     assert any(l.is_two_level for l in space) and PMAX in space or ref != "gpt:tiny"
@@ -124,6 +125,7 @@ def plan() -> Plan:
                      restrictions=Restrictions(input_layout="S0|R"))  # a two-level layout in the plan
 
 
+@pytest.mark.slow
 def test_plan_json_round_trip_keeps_layouts_as_text(plan: Plan, tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     save_plan(plan, path)

@@ -64,6 +64,7 @@ def test_limit_is_the_scaled_memory() -> None:
 
 
 @needs_memory
+@pytest.mark.slow
 def test_rank_over_its_limit_is_out_of_memory(tmp_path: Path) -> None:
     rc, failure, usage = run_allocating(tmp_path, (16, 3 * LIMIT_MIB))
     assert rc != 0
@@ -73,6 +74,7 @@ def test_rank_over_its_limit_is_out_of_memory(tmp_path: Path) -> None:
 
 
 @needs_memory
+@pytest.mark.slow
 def test_measured_peak_is_read_back(tmp_path: Path) -> None:
     rc, failure, usage = run_allocating(tmp_path, (16, 64))
     assert rc == 0, failure

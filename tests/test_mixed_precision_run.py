@@ -24,7 +24,11 @@ from hetsynth.instruction_set.matmul_rates import Dtype
 from hetsynth.instruction_set.models import parse_model_ref
 from hetsynth.planner.baselines import megatron_restrictions
 from hetsynth.planner.planner import make_plan
+from hetsynth.api import _forced_zero as forced_zero
 from test_parity import CLUSTER
+
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
 
 REF = "gpt:tiny"
 STEPS = 3
@@ -114,11 +118,10 @@ def test_bf16_tracks_single_device_autocast(pools, tp: bool) -> None:
 @pytest.mark.parametrize("zero", [None, 2, 3])
 def test_bf16_and_fp16_kinds_in_one_run(pools, zero: int | None) -> None:
     """Also under ZeRO-2 and ZeRO-3 (the optimizer holds rows; the scaler unscales them)."""
-    import hetsynth
 
     spec = cluster(fast=("bfloat16", "float16"), slow=("float16",))
     plan = plan_of(spec, "auto")
-    plan = hetsynth._forced_zero(plan, zero) if zero is not None else plan
+    plan = forced_zero(plan, zero) if zero is not None else plan
     policy = plan.precision_policy()
     assert policy.of("cpu-fast").compute_dtype is Dtype.BFLOAT16
     assert policy.of("cpu-slow").compute_dtype is Dtype.FLOAT16 and policy.loss_scaling

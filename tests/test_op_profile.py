@@ -20,6 +20,7 @@ def measured():
                               seconds=0.005)
 
 
+@pytest.mark.slow
 def test_every_op_with_work_is_timed_and_looked_up(measured) -> None:
     graph, timed = measured
     work = [n for n in timed.calls if n.target not in FREE_OPS]

@@ -48,6 +48,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # builds a wheel with pip
 def test_wheel_has_one_top_level_name(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         tops = {name.split("/")[0] for name in z.namelist()}
@@ -56,6 +57,7 @@ def test_wheel_has_one_top_level_name(wheel: Path) -> None:
         assert "hetsynth/instruction_set/rules/__init__.py" in z.namelist()
 
 
+@pytest.mark.slow
 def test_installed_wheel_imports_under_hetsynth_only(wheel: Path, tmp_path: Path) -> None:
     """Installed (not the checkout): hetsynth and its subpackages import from the install,
     the torchrun worker module is there, and `import runtime` fails."""

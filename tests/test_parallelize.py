@@ -20,6 +20,7 @@ from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth.planner.baselines import megatron_restrictions
 from hetsynth.planner.capture import capture
 from hetsynth.planner.planner import DP_SEED, make_plan
+from hetsynth.api import _forced_zero as forced_zero
 from test_parity import CLUSTER, make
 
 transformers = pytest.importorskip("transformers")
@@ -147,7 +148,7 @@ def test_hf_lm_under_a_tensor_parallel_plan(pools) -> None:
 def test_hf_lm_under_zero2(pools) -> None:
     cluster = load_cluster(CLUSTER)
     graph = capture(build_lm(), lm_batches(1)[0], model_ref="TinyLM")
-    plan = hetsynth._forced_zero(make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=DP_SEED,
+    plan = forced_zero(make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=DP_SEED,
                                            with_baselines=False), 2)
     check(pools, plan, build_lm, lm_batches(STEPS * MICRO))
 
@@ -167,7 +168,7 @@ def test_zoo_models(pools, ref: str, zero: int | None) -> None:
 
     spec = parse_model_ref(ref)
     plan = make(ref, [0.5, 0.3, 0.2, 0.0], DP_SEED if zero else None)  # a rank of no rows
-    plan = hetsynth._forced_zero(plan, zero) if zero else plan
+    plan = forced_zero(plan, zero) if zero else plan
     B = spec.batch_size
     batches = [list(spec.make_batch(range(i * B, (i + 1) * B), seed=0)) for i in range(STEPS * MICRO)]
     check(pools, plan, _ZooBuild(ref), batches)

@@ -14,7 +14,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
 from hetsynth import capture_model
 from hetsynth.instruction_set.cluster import load_cluster

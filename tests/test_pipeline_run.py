@@ -45,6 +45,7 @@ def hetsynth(*args: str, env: dict | None = None, timeout: float = 200) -> subpr
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_run_check_matches_single_device_and_resumes_under_spmd(plan_path: str) -> None:
     """The pipeline's checkpoint (`--save`) resumes under an SPMD plan of the same devices, and
     the resumed run matches single-device training resumed from it."""
@@ -60,6 +61,7 @@ def test_run_check_matches_single_device_and_resumes_under_spmd(plan_path: str) 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.slow
 def test_dead_rank_in_a_stage_is_named(plan_path: str, rank: int) -> None:
     """A rank killed in either stage (rank 0: the first, which sends; rank 1: the last, which
     computes the loss) stops the whole run, the dead rank named."""
@@ -68,6 +70,7 @@ def test_dead_rank_in_a_stage_is_named(plan_path: str, rank: int) -> None:
     assert f"hetsynth run: rank {rank} failed: killed by SIGKILL" in out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_explain_shows_the_stage_and_its_actions(plan_path: str) -> None:
     out = hetsynth("explain", plan_path, "--rank", "1")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -75,6 +78,7 @@ def test_explain_shows_the_stage_and_its_actions(plan_path: str) -> None:
     assert "receives" in out.stdout and "  0 RECV_F mb 0 boundary 0" in out.stdout
 
 
+@pytest.mark.slow
 def test_spmd_stays_where_it_is_faster() -> None:
     spmd = make_plan(capture_model("gpt:tiny"), CLUSTER, width=8, progress=False, with_baselines=False)
     plan = plan_stages(spmd, parse_model_ref("gpt:tiny"), 2, width=8)
@@ -82,6 +86,7 @@ def test_spmd_stays_where_it_is_faster() -> None:
     assert plan.pipeline.predicted.step_time_s >= spmd.predicted.step_time_s * 0.98
 
 
+@pytest.mark.slow
 def test_options_pipelines_lack_are_refused_before_any_rank_starts(plan_path: str) -> None:
     out = hetsynth("run", plan_path, "--steps", "2", "--memory-report")
     assert out.returncode == 2, out.stderr[-2000:]

@@ -16,6 +16,9 @@ import hetsynth
 from hetsynth import plan_cache
 from hetsynth.cli import main
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 A100_T4 = ROOT / "configs" / "clusters" / "a100-t4.toml"
 
@@ -34,7 +37,9 @@ class Planned:
         import hetsynth.planner.planner as planner_module
 
         self.captures = self.searches = 0
-        capture, make_plan = hetsynth.capture_model, planner_module.make_plan
+        import hetsynth.api
+
+        capture, make_plan = hetsynth.api.capture_model, planner_module.make_plan
 
         def counted_capture(*a: object, **k: object) -> object:
             self.captures += 1
@@ -44,7 +49,7 @@ class Planned:
             self.searches += 1
             return make_plan(*a, **k)
 
-        monkeypatch.setattr(hetsynth, "capture_model", counted_capture)
+        monkeypatch.setattr(hetsynth.api, "capture_model", counted_capture)  # what hetsynth.plan calls
         monkeypatch.setattr(planner_module, "make_plan", counted_search)
 
 

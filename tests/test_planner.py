@@ -28,6 +28,7 @@ def gpt_a100_t4() -> hetsynth.Plan:
     return hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "a100-t4.toml"))
 
 
+@pytest.mark.slow
 def test_plan_beats_or_matches_every_baseline(gpt_a100_t4: hetsynth.Plan) -> None:
     plan = gpt_a100_t4
     assert plan.predicted.fits
@@ -72,6 +73,7 @@ def test_every_sharded_layout_has_lengths(gpt_a100_t4: hetsynth.Plan) -> None:
                 assert all(sum(lengths[j * per_node:(j + 1) * per_node]) == size for j in range(nodes))
 
 
+@pytest.mark.slow
 def test_homogeneous_cluster_gives_even_ratios() -> None:
     plan = hetsynth.plan("bert:tiny,batch_size=64", cluster=str(CLUSTERS / "a100x8.toml"))
     assert max(plan.sharding_ratios) - min(plan.sharding_ratios) < 1e-6
@@ -79,6 +81,7 @@ def test_homogeneous_cluster_gives_even_ratios() -> None:
         assert plan.predicted.step_time_s <= b.step_time_s * (1 + 1e-9), name
 
 
+@pytest.mark.slow
 def test_fixed_ratios_are_kept() -> None:
     plan = hetsynth.plan("gpt:tiny", cluster=str(CLUSTERS / "local-emulated.toml"),
                          ratios=[0.4, 0.3, 0.2, 0.1])
@@ -93,6 +96,7 @@ def _small_memory(memory_gib: float) -> dict:
             "links": {"intra_node_bandwidth_gbps": 100, "inter_node_bandwidth_gbps": 10}}
 
 
+@pytest.mark.slow
 def test_infeasible_memory_names_the_device() -> None:
     # gpt:tiny's training state (0.42 MiB) and its unavoidable activations fit in the two devices
     # together; no plan does: the message names the device, the shortfall and what was tried
@@ -103,6 +107,7 @@ def test_infeasible_memory_names_the_device() -> None:
     assert "short by" in msg and "GiB" in msg and "recomputation of 2 blocks" in msg
 
 
+@pytest.mark.slow
 def test_memory_lower_bound_refuses_before_any_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """State and unavoidable activations (0.54 MiB) beyond both devices (0.5 MiB), though the
     state alone (0.42 MiB) fits: refused by the lower bound, no search runs."""
@@ -126,6 +131,7 @@ def test_training_state_beyond_all_memory_is_refused_before_the_search() -> None
         search_plan(graph, cluster_from_dict(_small_memory(0.0001)), progress=False)
 
 
+@pytest.mark.slow
 def test_bounded_search_matches_exhaustive_on_a_small_model() -> None:
     graph = hetsynth.capture_model("vit:tiny")
     cluster = load_cluster(CLUSTERS / "a100-t4.toml")
@@ -193,6 +199,7 @@ def test_inapplicable_variants_stay_out_of_plans() -> None:
     assert step.variant == "ring" and all(math.isfinite(c) for _, c in step.alternatives)
 
 
+@pytest.mark.slow
 def test_data_parallel_space_picks_sfb_where_it_pays() -> None:
     """`hetsynth plan --data-parallel`: VGG's classifier at 32 images gets SFB for its two big
     weights (chosen by cost, not forced), the 1024 x 10 one and GPT's weights keep the
@@ -206,6 +213,7 @@ def test_data_parallel_space_picks_sfb_where_it_pays() -> None:
 
 
 @pytest.mark.parametrize("layout", ["R", "P"])
+@pytest.mark.slow
 def test_forced_layout_in_a_repeated_layer_is_kept(layout: str) -> None:
     """Repeated layers share their search moves; a layer with a forced layout must not take
     the moves of its unforced twin: the last block's first linear is made in the forced

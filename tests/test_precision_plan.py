@@ -145,6 +145,7 @@ def plans() -> dict[str, Plan]:
     return {p: make_plan(graph, cluster, progress=False, with_baselines=False, precision=p) for p in ("fp32", "auto")}
 
 
+@pytest.mark.slow
 def test_the_ratios_follow_the_16_bit_rates(plans: dict[str, Plan]) -> None:
     fp32, auto = plans["fp32"].sharding_ratios, plans["auto"].sharding_ratios
     assert sum(auto[:4]) > sum(fp32[:4]) + 0.05  # the A100s' share grows
@@ -236,6 +237,7 @@ def test_one_loss_scale_where_any_kind_computes_in_float16() -> None:
     assert choose_policy(cluster, "auto").loss_scaling and not choose_policy(cluster, "fp32").loss_scaling
 
 
+@pytest.mark.slow
 def test_cli_plan_auto_records_and_prints_the_policy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     assert main(["plan", "--model", "gpt:tiny", "--cluster", str(A100_T4), "--precision", "auto", "--json",

@@ -15,6 +15,9 @@ from hetsynth.planner.problem import Problem
 from hetsynth.planner.step_cost import predict_program
 from test_parity import _gpt, check, make, tensor_parallel_mlp
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 
 def recomputed(plan):
     units = recompute_units(plan.graph, plan.instructions)

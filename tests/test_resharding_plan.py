@@ -76,6 +76,7 @@ def test_slow_host_receives_and_forwards_nothing() -> None:
     assert plan.method == ReshardMethod.BROADCAST_LB and lb.predicted_s < bc.predicted_s
 
 
+@pytest.mark.slow
 def test_every_method_at_or_above_the_bound_and_rounds_disjoint() -> None:
     """broadcast_lb's rounds share no NIC resource and no rank; they are kept where running the
     chains at once is not predicted faster with the NICs' contention (cases 2-5, 7), and case 1

@@ -30,6 +30,9 @@ from hetsynth.instruction_set.shards import DimClasses
 from hetsynth.planner.capture import capture
 from hetsynth.planner.problem import rule_links
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 
 
 @pytest.fixture(autouse=True)

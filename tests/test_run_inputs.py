@@ -19,6 +19,9 @@ from hetsynth.instruction_set.models import parse_model_ref
 from hetsynth.runtime import launch
 from hetsynth.runtime.runstate import state_dir
 
+# multi-process or seconds long: make test runs them, make test-fast does not
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "configs" / "clusters" / "local-emulated.toml"
 REF = "gpt:tiny"

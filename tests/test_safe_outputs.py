@@ -155,6 +155,7 @@ def test_full_disk_keeps_the_old_checkpoint(small_fs: Path) -> None:
     _only(small_fs, "ck.pt")
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_the_old_plan_and_trace(small_fs: Path, plan: Plan,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     save_plan(plan, small_fs / "plan.json")
@@ -176,6 +177,7 @@ def test_full_disk_keeps_the_old_plan_and_trace(small_fs: Path, plan: Plan,
     _only(small_fs, "plan.json", "trace.json")
 
 
+@pytest.mark.slow
 def test_a_reader_never_sees_a_partial_plan(plan: Plan, tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     save_plan(plan, path)

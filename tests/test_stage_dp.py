@@ -108,6 +108,7 @@ def test_units_split_nodes_until_enough():
     assert units(spec, min_units=2) == [range(0, 8), range(8, 16)]
 
 
+@pytest.mark.slow
 def test_auto_stages_on_local_emulated_keeps_spmd_and_covers_the_model():
     """gpt:tiny on the shipped local-emulated cluster: the DP's pipeline covers every call and
     every rank in order, and SPMD (predicted faster there) stays the plan's shape."""
@@ -131,6 +132,7 @@ def test_auto_stages_on_local_emulated_keeps_spmd_and_covers_the_model():
     assert plan.pipeline.predicted.step_time_s >= spmd.predicted.step_time_s * 0.98
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_stage_count():
     import subprocess
     import sys
@@ -150,6 +152,7 @@ def _tiny_memory_cluster(path, memory_gib: float) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_plan_tries_stages_when_no_spmd_plan_fits(tmp_path, capsys):
     """gpt:tiny on two devices of 0.0003 GiB: no SPMD program fits (0.000396 GiB on a device
     even with every block recomputed), a pipeline of one device per stage does; `hetsynth plan`

@@ -28,6 +28,7 @@ def pipeline():
                               num_micro=2, width=8)
 
 
+@pytest.mark.slow
 def test_single_device_phases_add_up_to_its_step():
     """On one device nothing synchronises: F + B + U is the plan's own step prediction."""
     plan = make_plan(capture_model("gpt:tiny"), LOCAL.first(1), width=8, progress=False, with_baselines=False)
@@ -36,6 +37,7 @@ def test_single_device_phases_add_up_to_its_step():
     assert ph.forward_s + ph.backward_s + ph.update_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_stage_phases_charge_one_coalesced_sync_per_axis(pipeline):
     from hetsynth.planner.stage_times import all_reduce_s
 

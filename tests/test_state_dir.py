@@ -44,6 +44,7 @@ def test_new_state_dir_is_private(state: Path) -> None:
     assert state.stat().st_mode & 0o777 == 0o700
 
 
+@pytest.mark.slow
 def test_world_writable_state_dir_is_refused(state: Path) -> None:
     state.mkdir()
     state.chmod(0o777)
@@ -183,6 +184,7 @@ def test_crafted_records_neither_delete_nor_kill(state: Path, tmp_path: Path, vi
         linked.unlink()
 
 
+@pytest.mark.slow
 def test_rank_refuses_a_changed_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "plan.json"
     plan = hetsynth.plan("gpt:tiny", cluster=str(ROOT / "configs" / "clusters" / "local-emulated.toml"),
@@ -248,6 +250,7 @@ def _loopback(address: str) -> bool:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_local_run_listens_on_loopback_and_dies_with_its_launcher(local_plan: str, tmp_path: Path) -> None:
     """While a 2-rank run trains, every socket its agent and ranks listen on is on loopback and
     torchrun logs under the work directory; SIGKILL the launcher with rank 1 stopped: agent
@@ -286,6 +289,7 @@ def test_local_run_listens_on_loopback_and_dies_with_its_launcher(local_plan: st
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_ranks_refuse_a_plan_changed_after_launch(local_plan: str, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher hands the ranks the digest it validated; a file whose bytes differ (here:

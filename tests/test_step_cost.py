@@ -56,6 +56,7 @@ def test_lp_sees_the_overlap() -> None:
     assert solution.objective_s == pytest.approx(5 / 3, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_plan_records_the_cap_it_predicts_fastest() -> None:
     graph = capture_model("gpt:tiny")
     plan = make_plan(graph, load_cluster(CLUSTER), progress=False, with_baselines=False)
@@ -72,6 +73,7 @@ def with_gamma(cluster, gamma: float, per_message_us: float = 0.0):
     return cluster.model_copy(update={"device_kinds": kinds})
 
 
+@pytest.mark.slow
 def test_transfer_cpu_share_charges_the_overlapped_compute() -> None:
     """gamma = 1 (every transfer second taken from the compute): the backward costs its
     compute plus every bucket's sync, the additive form; gamma = 0 hides some of it. The

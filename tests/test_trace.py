@@ -68,6 +68,7 @@ def _lane_totals(trace: dict, tid: int, n: int) -> list[float]:
 
 
 @pytest.mark.parametrize("name", ["gpt uneven", "vit searched", "gpt transfer cpu", "gpt fused"])
+@pytest.mark.slow
 def test_predicted_trace_matches_the_plan(plans: dict[str, Plan], name: str) -> None:
     plan = plans[name]
     trace = json.loads(json.dumps(predicted_trace(plan)))

@@ -20,7 +20,6 @@ import functools
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg as fake_pg
 
@@ -104,6 +103,7 @@ def test_shipped_two_level_meshes_are_covered() -> None:
 
 @pytest.mark.parametrize("cluster", TWO_LEVEL)
 @pytest.mark.parametrize("model", ZOO)
+@pytest.mark.slow
 def test_planned_programs_run_on_every_rank(cluster: str, model: str) -> None:
     dry_run(_plan(f"{model}:tiny", load_cluster(CLUSTERS / f"{cluster}.toml")))
 
@@ -126,6 +126,7 @@ def _tied_plan(cluster: ClusterSpec) -> Plan:
 
 
 @pytest.mark.parametrize("cluster", TWO_LEVEL)
+@pytest.mark.slow
 def test_tied_weight_split_inside_nodes_runs(cluster: str) -> None:
     dry_run(_tied_plan(load_cluster(CLUSTERS / f"{cluster}.toml")))
 

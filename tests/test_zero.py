@@ -309,6 +309,7 @@ def _with_state_on(plan: Plan, tensor: str, state: str) -> dict:
     return raw
 
 
+@pytest.mark.slow
 def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: Path) -> None:
     """A plan file whose ZeRO state the runtime cannot hold is an error when it is read, and
     `hetsynth run` says so (exit 2, no traceback): ZeRO on a split parameter; ZeRO-3 on a
@@ -339,6 +340,7 @@ def test_plans_that_shard_state_where_the_runtime_cannot_are_refused(tmp_path: P
         plan_from_json(_with_state_on(split, name, "zero2"), "split.json")
 
 
+@pytest.mark.slow
 def test_zero2_leaves_sufficient_factor_gradients_whole() -> None:
     """VGG's fc1 gradient is synced by broadcasting its sufficient factors (SFB), whole on every
     rank, not by the all-reduce a ZeRO-2 bucket turns into a reduce-scatter: ZeRO-2 keeps its

@@ -22,6 +22,7 @@ from hetsynth.instruction_set.training_state import TrainingState
 from hetsynth.planner.planner import DP_SEED, with_zero
 from hetsynth.runtime.config import TrainConfig
 from hetsynth.runtime.input_rows import input_rows
+from hetsynth.api import _forced_zero as forced_zero
 from test_parity import CONFIG, check_results, make
 
 # (model, compute ratios with a rank of none, state ratios: that rank holds rows of the state, or none)
@@ -76,11 +77,10 @@ def test_parallelize_zero3_with_a_rank_of_no_rows(pools) -> None:
     """hetsynth.parallelize's module over BERT under ZeRO-3 with a rank of no rows: the user
     loop (two param groups, LambdaLR, no_sync accumulation, clipping, an evaluation pass)."""
     parallelize = pytest.importorskip("test_parallelize")
-    import hetsynth
 
     ref = "bert:tiny,dtype=float64"
     spec = parse_model_ref(ref)
-    plan = hetsynth._forced_zero(make(ref, [0.5, 0.3, 0.2, 0.0], DP_SEED), 3)
+    plan = forced_zero(make(ref, [0.5, 0.3, 0.2, 0.0], DP_SEED), 3)
     B = spec.batch_size
     batches = [list(spec.make_batch(range(i * B, (i + 1) * B), seed=0))
                for i in range(parallelize.STEPS * parallelize.MICRO)]

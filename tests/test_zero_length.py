@@ -29,7 +29,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from torch import nn
 
 from hetsynth.instruction_set.args import decode_arg, encode_arg, refs_in
 from hetsynth.instruction_set.graph import Node, TensorMeta
@@ -143,6 +142,7 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "aten.gather.default": lambda: [s(T(4, 6), 1, I(4, 3, high=6))],
     "aten.grid_sampler_2d.default": lambda: [s(T(2, 3, 4, 4), U(2, 3, 3, 2) * 2 - 1, 0, 0, False)],
     "aten.histc.default": lambda: [s(U(4, 6), 5, 0.0, 1.0)],
+    "hetsynth.routed_experts.default": lambda: [s(T(6, 4), distinct(6, 2, 4), U(6, 2), T(4, 6, 4), T(4, 4, 3), "silu", 0)],
     "aten.index.Tensor": lambda: [s(T(4, 6), [I(3, high=4)]), s(T(4, 6), [None, I(2, high=6)])],
     "aten.index_select.default": lambda: [s(T(4, 6), 1, I(3, high=6))],
     "aten.layer_norm.default": lambda: [s(T(4, 6), [6], T(6), T(6))],
@@ -363,6 +363,8 @@ def run_rank(node: Node, rule: Rule, rank: int, empty: int, inputs: list[Any], w
     if local_kinds(rule.local) & {"gather_sharded", "embedding_sharded"}:
         full = first(whole[node.inputs[0]])
         offsets[0] = sum(lengths(full.shape[rule.inputs[0].shard_dim], empty)[:rank])
+    if "experts_sharded" in local_kinds(rule.local):  # the rank's first expert
+        offsets[3] = sum(lengths(first(whole[node.inputs[3]]).shape[0], empty)[:rank])
     ctx = LocalContext(tuple(shapes), dropped=dropped, offsets=offsets, global_count=mean_count(node, whole))
     return emit_local(node, rule.local, inputs, ctx, EagerBuilder())
 
@@ -552,6 +554,7 @@ def hetsynth_cli(*args: str) -> subprocess.CompletedProcess:
                           env=os.environ, timeout=600)
 
 
+@pytest.mark.slow
 def test_fft_model_with_three_empty_ranks_runs_and_checks(tmp_path: Path) -> None:
     """Ratios 1,0,0,0 on one node of 4 CPU devices, run as plain local processes (what is
     tested is the program, not emulated links and quotas): ranks 1-3 hold no rows of the

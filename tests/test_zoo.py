@@ -112,6 +112,7 @@ def test_the_zoo_reaches_the_registry_through_its_entry_point() -> None:
     assert {name: f for name, f in families().items() if name in ZOO} == dict(ZOO)
 
 
+@pytest.mark.slow
 def test_without_model_families_the_error_says_how_to_install_them(monkeypatch: pytest.MonkeyPatch) -> None:
     import hetsynth.instruction_set.models as models
 

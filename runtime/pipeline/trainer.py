@@ -28,11 +28,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hetsynth.instruction_set.interpret import call_node, constant
 from hetsynth.instruction_set.layouts import Layout
@@ -46,10 +45,13 @@ from hetsynth.runtime.codegen import RankProgram, build_rank_program, local_slic
 from hetsynth.runtime.config import TrainConfig
 from hetsynth.runtime.groups import Groups, group_timeout
 from hetsynth.runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
-from hetsynth.runtime.mixed_precision import autocast, loss_scaler
+from hetsynth.runtime.mixed_precision import autocast, forward_dtype, loss_scaler
 from hetsynth.runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
 from hetsynth.runtime.rank_state import precision
 from hetsynth.runtime.train import check_finite, check_state, initial_state, make_optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 MAX_CHAINS = 1 << 12  # tag space per (boundary, micro-batch)
 
@@ -73,7 +75,8 @@ class PipelineTrainer:
     optimizer: torch.optim.Optimizer | None = None
     config: TrainConfig | None = None
     outbox: Outbox = field(default_factory=Outbox)
-    scaler: ShardedGradScaler | None = None  # the run's loss scaler (runtime.mixed_precision; build's)
+    scaler: "ShardedGradScaler | None" = None  # the run's loss scaler (runtime.mixed_precision; build's)
+    autocast_dtype: torch.dtype | None = None  # what forwards autocast to (mixed_precision.forward_dtype)
     losses: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # of the last step (train_step)
     events: list[tuple[str, int, float, float]] = field(default_factory=list)  # of the last step (train_step)
@@ -125,7 +128,8 @@ def build(plan: Plan, rank: int, state: dict[str, torch.Tensor], params: set[str
             _share_parameters(programs[b], programs[max(programs)])
     buffers = {k: v.detach().clone() for k, v in state.items() if k not in params}
     return PipelineTrainer(plan, stage, groups, world, programs, shared, buffers, input_rows(plan, rank),
-                           torch.device(device), dtype, scaler=loss_scaler(plan, torch.device(device), world, dtype))
+                           torch.device(device), dtype, scaler=loss_scaler(plan, torch.device(device), world, dtype),
+                           autocast_dtype=forward_dtype(plan, rank, dtype))
 
 
 def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
@@ -273,7 +277,7 @@ def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
             received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(posted.pop((a.boundary, m)), True)
         elif a.op is ActionOp.F:
             program = t.programs[pipeline.micro_batches[m]]
-            with autocast(t.plan, t.groups.rank, t.device, t.dtype):
+            with autocast(t.autocast_dtype, t.device):
                 result = program.module(*micro_inputs(t, inputs, m, received.pop(m, {}), stats))
             n_up = len(program.updates)
             _update_buffers(program, result[1:1 + n_up])
