@@ -76,14 +76,18 @@ def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abst
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def loss_scaler(plan: Plan, device: torch.device, group: Any, twin: str | None = None) -> "ShardedGradScaler":
+def loss_scaler(plan: Plan, device: torch.device, group: Any,
+                twin: str | None = None) -> "ShardedGradScaler | torch.amp.GradScaler":
     """The run's loss scaler over `group` (every rank of the plan): enabled where some kind
     computes in float16 (and not in a twin)."""
-    enabled = plan.precision_policy().loss_scaling and twin is None
-    # imported here: torch.distributed.fsdp loads DTensor (0.8 s) on every rank that imports this module
+    if not (plan.precision_policy().loss_scaling and twin is None):
+        # torch's own, disabled (every call a pass-through, as a disabled ShardedGradScaler's): no
+        # import of torch.distributed.fsdp, which loads DTensor (about 1 s of CPU, on an emulated
+        # device several seconds at its quota)
+        return torch.amp.GradScaler(device.type, enabled=False)
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler(device=device.type, enabled=enabled, process_group=group)
+    return ShardedGradScaler(device=device.type, enabled=True, process_group=group)
 
 
 __all__ = ["TORCH_DTYPES", "autocast", "compute_dtype", "forward_dtype", "loss_scaler", "reference_dtype", "wire_dtype"]
