@@ -12,6 +12,8 @@ rules tested in one process are the rules the runtime executes. Rewrites:
 - `mean_global`: a mean over a split dim is the local sum divided by the global count;
 - `gather_sharded` / `embedding_sharded`: a rank holding rows [offset, offset + len) of the
   table looks up the indices in that range and contributes zeros for the others (P output);
+- `experts_sharded`: routed experts (instruction_set.experts_op) on a rank holding experts
+  [offset, offset + len) of the expert weights (input 3): the op with `first = offset` (P);
 - `amax_sharded`: a max over a split dim that tolerates an empty local shard (-inf);
 - on a rank whose outputs of the node are all empty (zero-length shards are legal), the op
   is not called: `empty_result` makes them, in the plan's local shapes and dtypes.
@@ -237,6 +239,8 @@ def _local_call(node: Node, kinds: set[str], a: tuple, k: dict,
     if "embedding_sharded" in kinds:
         pad = a[2] if len(a) > 2 else k.get("padding_idx", -1)
         return embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {}
+    if "experts_sharded" in kinds:
+        return run_target(node.target), (*a[:6], ctx.offsets[3]), {}
     if "amax_sharded" in kinds:
         return amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False), {}
     return LOCAL_TARGETS.get(node.target) or run_target(node.target), a, k

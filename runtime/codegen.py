@@ -238,8 +238,14 @@ class _Emitter:
         offsets = {}
         if local_kinds(ins.local) & {"gather_sharded", "embedding_sharded"}:
             offsets[0] = self._lookup_offset(node, ins)
+        if "experts_sharded" in local_kinds(ins.local):  # the rank's first expert (instruction_set.experts_op)
+            offsets[3] = self._offset(node.inputs[3], ins.inputs[3], 0)
         return LocalContext(shapes, self.device, dropped_inputs(ins.local, mesh.node(self.rank), mesh.local(self.rank)),
                             offsets, _global_count(self.plan, node))
+
+    def _offset(self, tensor: str, layout: Layout, dim: int) -> int:
+        """Start of this rank's shard of `tensor` along `dim` under `layout`."""
+        return MeshLayout(self.groups.mesh, layout).offset(self.plan.lengths(tensor, layout)[dim], dim, self.rank)
 
     def _lookup_offset(self, node: Node, ins: Instruction) -> int:
         """Start of this rank's rows along the dim a sharded lookup reads (the gather dim, or

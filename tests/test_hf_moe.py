@@ -138,7 +138,79 @@ def test_hf_deepseek_latent_attention_sizes_agree() -> None:
 
 
 def test_hf_experts_implementation_is_an_option() -> None:
-    assert parse_model_ref("hf:mixtral").config.experts == "batched_mm"
+    assert parse_model_ref("hf:mixtral").config.experts == "routed"
+    assert parse_model_ref("hf:mixtral,experts=batched_mm").config.experts == "batched_mm"
     assert parse_model_ref("hf:mixtral,experts=grouped_mm").config.experts == "grouped_mm"
     with pytest.raises(ValueError, match="experts=eager"):
         parse_model_ref("hf:mixtral,experts=eager")
+
+
+def _routed_inputs(num_experts: int = 5) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(7)])
+    idx[:, 0] = torch.where(idx[:, 0] == 1, 0, idx[:, 0])  # expert 1 gets fewer pairs
+    w = torch.rand(7, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(num_experts, 8, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(num_experts, 6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    return x, idx, w, gate_up, down
+
+
+def test_routed_experts_split_by_experts_sums_to_the_op() -> None:
+    """The expert-parallel rule (x, idx, w R; experts S(0) -> P): ranks holding 3, 0, 2 of 5
+    experts, each running the op with its first expert, sum to the op, gradients too."""
+    x, idx, w, gate_up, down = _routed_inputs()
+    op = torch.ops.hetsynth.routed_experts
+    want = op(x, idx, w, gate_up, down, "silu", 0)
+    grads = torch.autograd.grad(want.sum(), (x, w, gate_up, down))
+    pieces, first = [], 0
+    for count in (3, 0, 2):
+        pieces.append(op(x, idx, w, gate_up[first:first + count], down[first:first + count], "silu", first))
+        first += count
+    got = sum(pieces)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, h in zip(torch.autograd.grad(got.sum(), (x, w, gate_up, down)), grads):
+        torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
+    node = Node(name="n", op="call", target="hetsynth.routed_experts.default", inputs=("a", "b", "c", "d", "e"),
+                args=tuple({"ref": r} for r in "abcde") + ("silu", 0), kwargs={}, outputs=(_meta(want),))
+    rules = rules_for(node, tuple(_meta(t) for t in (x, idx, w, gate_up, down)))
+    assert [r.local for r in rules if r.output is P] == ["experts_sharded"]
+
+
+def test_routed_experts_backward_is_autograd_of_its_math() -> None:
+    from hetsynth.instruction_set.experts_op import routed_experts_math
+
+    x, idx, w, gate_up, down = _routed_inputs()
+    for act in ("silu", "gelu", "relu", "gelu_pytorch_tanh"):
+        op = torch.ops.hetsynth.routed_experts(x, idx, w, gate_up, down, act, 0)
+        ref = routed_experts_math(x, idx, w, gate_up, down, act, 0)
+        seed = torch.randn(op.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        for g, h in zip(torch.autograd.grad(op, (x, w, gate_up, down), seed),
+                        torch.autograd.grad(ref, (x, w, gate_up, down), seed)):
+            torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12, msg=act)
+
+
+def test_routed_experts_match_transformers_with_the_router_loss() -> None:
+    """`experts=routed` computes what transformers' batched_mm does, loss (with the router's
+    auxiliary loss) and gradients, and captures as one op with FLOPs and rules."""
+    from hetsynth.instruction_set.models import parse_model_ref
+
+    ref = "hf:mixtral,dtype=float64,num_local_experts=8,output_router_logits=true,router_aux_loss_coef=0.5"
+    results = []
+    for experts in ("batched_mm", "routed"):
+        spec = parse_model_ref(f"{ref},experts={experts}")
+        torch.manual_seed(0)
+        model = spec.build()
+        loss = model(*spec.make_batch(list(range(8)), 0))
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert abs(loss_a - loss_b) <= 1e-12 * abs(loss_a)
+    assert max(float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a) <= 1e-12
+    graph = capture(*_spec_module(parse_model_ref(f"{ref},experts=routed")))
+    routed = [n for n in graph.calls if n.target == "hetsynth.routed_experts.default"]
+    assert len(routed) == 2 and all(n.flops_fwd > 0 and n.flops_bwd == 2 * n.flops_fwd for n in routed)
+
+
+def _spec_module(spec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return spec.build(), spec.example_inputs("cpu")

@@ -14,10 +14,12 @@ initialisation (nothing is downloaded) and wrap it so that forward returns the l
   random mask cannot be compared with single-device training), the KV cache off, attention
   through scaled_dot_product_attention. Mixture-of-experts models get EXPERTS: 4 experts, 2 per
   token, expert FFNs of 64, and DeepSeek's low-rank attention and expert groups set small; their
-  experts run through transformers' `batched_mm` implementation (each token gathers its experts'
-  weights: row-wise in the tokens, so the batch splits, but a copy of the weights per token).
-  `experts=grouped_mm`, transformers' default, captures too (instruction_set.rules.moe): no
-  copies, but the tokens stay replicated around its grouped matmuls.
+  experts run as one op (`experts=routed`: hetsynth.zoo.hf_experts, instruction_set.experts_op),
+  which the planner may split by tokens or by experts (expert parallelism, unevenly: more
+  experts on faster devices). `experts=batched_mm` (each token gathers its experts' weights:
+  row-wise in the tokens, but a copy of the weights per token) and `experts=grouped_mm`,
+  transformers' default (instruction_set.rules.moe: no copies, but the tokens stay replicated
+  around its grouped matmuls and the experts never split), capture too.
 - **Images of 64 pixels**: at 32, a network that downsamples 32-fold normalises its last
   stages over the batch's 8 values per channel alone; MobileNetV2 is then so ill-conditioned
   that in float64 the plain model and its own captured graph (the same math, rounded in
@@ -96,7 +98,7 @@ class HFAutoConfig:
     image_size: Count = 64
     num_labels: Pair = 10   # one label would make HuggingFace's heads regress on float labels
     dtype: FloatDType = "float32"
-    experts: Literal["batched_mm", "grouped_mm"] = "batched_mm"  # transformers' experts implementation
+    experts: Literal["routed", "batched_mm", "grouped_mm"] = "routed"  # transformers' experts implementation
     attrs: dict[str, Any] = field(default_factory=dict)   # HuggingFace config attributes
 
     @property
@@ -258,10 +260,19 @@ def _hf_config(cfg: HFAutoConfig) -> Any:
     """The architecture's config made with the attributes (its __init__ derives the rest)."""
     config = _base_config(cfg.model_type, **cfg.attrs)
     if hasattr(config, "_experts_implementation"):  # `experts`: see the module docstring
-        config._experts_implementation = cfg.experts
+        config._experts_implementation = _experts_implementation(cfg.experts)
     if cfg.task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     return config
+
+
+def _experts_implementation(experts: str) -> str:
+    if experts != "routed":
+        return experts
+    from hetsynth.zoo import hf_experts
+
+    hf_experts.register()
+    return hf_experts.NAME
 
 
 def build(cfg: HFAutoConfig) -> nn.Module:

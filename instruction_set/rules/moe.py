@@ -24,6 +24,17 @@ a data-dependent subset of rows, which no layout describes.
 the counts of a sharded x are the sums of per-shard counts, S(d) -> P; with the default range
 (the data's own min and max) only R -> R. `empty_permuted` is a factory: replicated.
 
+`hetsynth.routed_experts` (instruction_set.experts_op: the whole routed-experts block as one
+op, what `hf:<moe>,experts=routed` captures) is where experts split. Its inputs are (x[T, H],
+idx[T, k], w[T, k], gate_up[E, 2F, H], down[E, H, F]); its rules:
+
+- all R -> R;
+- token parallel: x, idx, w S(0), experts R -> S(0) (each token's output needs only its row);
+- expert parallel: x, idx, w R, gate_up and down S(0) -> P, local `experts_sharded`: a rank
+  holding experts [o, o + E_r) runs the op with `first = o` (its experts' terms for every
+  token; the ranks' outputs sum to the whole). The expert dims of gate_up and down are one
+  ratio class of the LP (rule_links), separate from the tokens': the LP places experts unevenly.
+
 FLOPs: the grouped matmuls have no formula in torch's FlopCounterMode; `flop_formulas()`
 gives them (2 S K N forward, twice that backward: every row meets exactly one expert).
 """
@@ -34,6 +45,8 @@ from typing import Any, Callable
 
 import torch
 
+from hetsynth.instruction_set.experts_op import FLOP_FORMULAS as EXPERTS_FLOPS
+from hetsynth.instruction_set.experts_op import OP as ROUTED_EXPERTS
 from hetsynth.instruction_set.graph import Node, TensorMeta
 from hetsynth.instruction_set.layouts import P, R, S
 from hetsynth.instruction_set.rules.registry import Rule, arg, register, replicated
@@ -52,6 +65,17 @@ def _grouped_mm(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
         rules.append(Rule((R, S(2), R), S(1)))
     if k > 1:
         rules.append(Rule((S(1), S(1), R), P))
+    return rules
+
+
+def _routed_experts(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    """Rules of routed_experts(x, idx, w, gate_up, down) (see the module docstring)."""
+    tokens, experts = metas[0].shape[0], metas[3].shape[0]
+    rules = [Rule((R,) * 5, R)]
+    if tokens > 1:
+        rules.append(Rule((S(0), S(0), S(0), R, R), S(0)))
+    if experts > 1:
+        rules.append(Rule((R, R, R, S(0), S(0)), P, local="experts_sharded"))
     return rules
 
 
@@ -89,9 +113,11 @@ def flop_formulas() -> dict[Any, Callable[..., int]]:
                 "transformers.grouped_mm_fallback": _grouped_mm_flops,
                 "transformers.grouped_mm_fallback_backward": _grouped_mm_backward_flops}
     loaded = {name: _loaded(*name.split(".")) for name in formulas}
-    return {packet: formulas[name] for name, packet in loaded.items() if packet is not None}
+    loaded_formulas = {packet: formulas[name] for name, packet in loaded.items() if packet is not None}
+    return loaded_formulas | EXPERTS_FLOPS
 
 
 register(GROUPED_MM, _grouped_mm)
+register([ROUTED_EXPERTS], _routed_experts)
 register(["aten.histc.default"], _histc)
 register(FACTORIES, replicated)

@@ -1,0 +1,156 @@
+"""Routed experts as one op: `hetsynth::routed_experts`, the unit expert parallelism shards.
+
+Why one op. transformers' experts implementations (integrations/moe.py) route in the data:
+`grouped_mm` sorts the (token, expert) pairs by expert and multiplies runs of rows whose
+bounds are values (histc, cumsum), `batched_mm` gathers a copy of the weights per pair. No
+layout of the sorted rows says which rank holds which expert, so neither form lets the
+search split the experts (instruction_set.rules.moe). As one op, the block
+
+    out[t] = sum_j  w[t, j] * E_{idx[t, j]}(x[t]),   E_e(v) = down_e (act(gate_e v) * up_e v)
+
+(x[T, H] tokens, idx[T, k] the experts each token picked, w[T, k] their routing weights,
+gate_up[E, 2F, H] = [gate_e; up_e] per expert, down[E, H, F]) is a sum over experts, and a
+sum over experts is what expert parallelism splits: a rank holding experts [first, first + E_r)
+computes the terms of its experts for every token and zero for the others; the ranks' results
+sum to `out` (a Partial), and the expert weights need no gradient synchronisation. The rules
+(instruction_set.rules.moe) give the search three choices for the op: all replicated; tokens
+split with the experts replicated (data parallel, gradients all-reduced); tokens replicated
+with the experts split unevenly (the LP sizes each rank's run of experts: more experts on
+faster devices), whose tokens arrive by an all-gather and whose Partial output leaves by a
+reduce-scatter, instructions that exist already. The op's `first` argument is the global index
+of the weights' first expert: 0 in the captured graph, the rank's offset under the split rule.
+
+Why tokens move by all-gather and reduce-scatter rather than an all-to-all of the pairs: both
+are exact and this needs no runtime code beyond the op's `first`. Per rank r of T_r tokens
+the all-gather brings (T - T_r) H values and the reduce-scatter returns as many, while an
+all-to-all of top-k pairs sends k T_r H (1 - E_r / E) each way: about the same at k = 2 on a
+few devices. The all-to-all form (split sizes from the exchanged per-expert counts) pays off
+at many devices and small k; it would be a fourth rule, tokens and experts both split, with
+its own runtime implementation. The expected load is uniform: a rank's share of the pairs is
+its share of the experts.
+
+Routing (softmax, top-k, the auxiliary load-balancing loss) stays outside, as ordinary ops, so
+the router's loss is part of the captured loss as the model computes it.
+
+Backward: `routed_experts_backward`, a second op (so that FlopCounterMode can count it by
+formula and fake tensors can run it), the chain rule per expert written out with aten's own
+activation backward kernels (an op's implementation runs below autograd).
+FLOPs: forward 2 T k (2 F H + F H) (each pair meets one expert's three matrices), backward
+twice that (input and weight gradients), under uniform routing for any rank's share.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+OP = "hetsynth.routed_experts.default"
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+    "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh"),
+}
+_aten = torch.ops.aten
+ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "silu": _aten.silu_backward.default, "swish": _aten.silu_backward.default,
+    "gelu": _aten.gelu_backward.default, "relu": lambda g, v: _aten.threshold_backward.default(g, v, 0.0),
+    "gelu_pytorch_tanh": lambda g, v: _aten.gelu_backward.default(g, v, approximate="tanh"),
+}
+
+
+def routed_experts_math(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                        down: torch.Tensor, act: str, first: int) -> torch.Tensor:
+    """The terms of experts [first, first + gate_up.shape[0]) (see the module docstring), in
+    plain differentiable ops: pairs of other experts contribute zero."""
+    out = x.new_zeros(x.shape).to(torch.promote_types(x.dtype, w.dtype))
+    width = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.nonzero(idx == first + e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = x[token] @ gate_up[e].transpose(0, 1)
+        y = (ACTIVATIONS[act](h[:, :width]) * h[:, width:]) @ down[e].transpose(0, 1)
+        out = out.index_add(0, token, y * w[token, slot].unsqueeze(-1))
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("hetsynth::routed_experts", mutates_args=())
+def routed_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, act: str, first: int) -> torch.Tensor:
+    return routed_experts_math(x, idx, w, gate_up, down, act, first)
+
+
+@routed_experts.register_fake
+def _routed_experts_fake(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, act: str, first: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hetsynth::routed_experts_backward", mutates_args=())
+def routed_experts_backward(grad: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                            gate_up: torch.Tensor, down: torch.Tensor, act: str,
+                            first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, dgate_up, ddown), per expert e with rows X of its pairs, weights s:
+    h = X G^T = [g, u], m = act(g) u, y = m D^T; dy = s grad, ds = <grad, y>,
+    dD = dy^T m, dm = dy D, dh = [act'(g) (dm u), dm act(g)], dG = dh^T X, dX = dh G."""
+    dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+    dgate_up, ddown = torch.zeros_like(gate_up), torch.zeros_like(down)
+    width = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.nonzero(idx == first + e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        rows, up_go = x[token], grad[token]
+        h = rows @ gate_up[e].transpose(0, 1)
+        gate, up = h[:, :width], h[:, width:]
+        m = ACTIVATIONS[act](gate) * up
+        y = m @ down[e].transpose(0, 1)
+        dw[token, slot] = (up_go * y).sum(-1)
+        dy = up_go * w[token, slot].unsqueeze(-1)
+        ddown[e] = dy.transpose(0, 1) @ m
+        dm = dy @ down[e]
+        dh = torch.cat([ACTIVATION_GRADS[act](dm * up, gate), dm * ACTIVATIONS[act](gate)], dim=1)
+        dgate_up[e] = dh.transpose(0, 1) @ rows
+        dx = dx.index_add(0, token, dh @ gate_up[e])
+    return dx, dw, dgate_up, ddown
+
+
+@routed_experts_backward.register_fake
+def _routed_experts_backward_fake(grad: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                                  gate_up: torch.Tensor, down: torch.Tensor, act: str, first: int) -> Any:
+    return tuple(torch.empty_like(t) for t in (x, w, gate_up, down))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, idx, w, gate_up, down, act, first = inputs
+    ctx.save_for_backward(x, idx, w, gate_up, down)
+    ctx.act, ctx.first = act, first
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, idx, w, gate_up, down = ctx.saved_tensors
+    dx, dw, dgate_up, ddown = routed_experts_backward(grad.contiguous(), x, idx, w, gate_up, down,
+                                                       ctx.act, ctx.first)
+    return dx, None, dw, dgate_up, ddown, None, None
+
+
+routed_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+def routed_experts_flops(x_shape: Any, idx_shape: Any, w_shape: Any, gate_up_shape: Any, down_shape: Any,
+                         *args: Any, **kwargs: Any) -> int:
+    """2 T k (2F H + H F): every (token, expert) pair meets one expert's matrices (uniform
+    routing; under the expert split a rank's share of the pairs is its share of experts)."""
+    pairs = idx_shape[0] * idx_shape[1]
+    return 2 * pairs * (gate_up_shape[1] * gate_up_shape[2] + down_shape[1] * down_shape[2])
+
+
+def routed_experts_backward_flops(grad_shape: Any, x_shape: Any, idx_shape: Any, w_shape: Any,
+                                  gate_up_shape: Any, down_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """Input and weight gradients: twice the forward."""
+    return 2 * routed_experts_flops(x_shape, idx_shape, w_shape, gate_up_shape, down_shape)
+
+
+FLOP_FORMULAS = {torch.ops.hetsynth.routed_experts: routed_experts_flops,
+                 torch.ops.hetsynth.routed_experts_backward: routed_experts_backward_flops}

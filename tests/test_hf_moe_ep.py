@@ -1,0 +1,61 @@
+"""Expert parallelism for HuggingFace MoE models (`experts=routed`: instruction_set.experts_op):
+the planner splits the experts over devices unevenly, and a 4-rank run of such a plan, the
+router's auxiliary loss included, matches single-device training in float64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetsynth import capture_model
+from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.instruction_set.experts_op import OP
+from hetsynth.instruction_set.layouts import P, S, Layout
+from hetsynth.planner.planner import make_plan
+from hetsynth.planner.problem import Restrictions
+from hetsynth.runtime.check import check_on_pool
+from hetsynth.runtime.config import TrainConfig
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("transformers.integrations.moe")
+
+CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
+# 8 experts of FFN 64 on hidden 32: the experts are most of the weights; router loss on
+TINY = ("hf:mixtral,experts=routed,num_layers=1,num_local_experts=8,ffn_hidden=64,"
+        "output_router_logits=true,router_aux_loss_coef=0.1")
+
+
+def _expert_params(graph) -> list[str]:
+    return [t for n in graph.calls if n.target == OP for t in n.inputs[3:5]]
+
+
+@pytest.mark.parametrize("experts_layout, lengths", [
+    ("S0", [3, 2, 2, 1]),     # over all devices: 8 experts by 0.4, 0.3, 0.2, 0.1
+    ("R|S0", [5, 3, 5, 3]),   # inside each node (tokens split across nodes): 8 by 0.4 : 0.3 and 0.2 : 0.1
+])
+def test_uneven_expert_parallel_run_matches_one_device(pools, experts_layout: str, lengths: list[int]) -> None:
+    graph = capture_model(TINY)
+    force = {p: experts_layout for p in _expert_params(graph)}
+    cluster = load_cluster(CLUSTER)
+    plan = make_plan(graph, cluster, ratios=[0.4, 0.3, 0.2, 0.1], progress=False,
+                     restrictions=Restrictions(force=force, two_level=experts_layout != "S0"), with_baselines=False)
+    experts = [i for i in plan.instructions if i.kind == "compute" and "experts_sharded" in i.local]
+    assert experts and all(i.layout.inner is P.inner for i in experts)
+    layout = Layout.parse(experts_layout)
+    assert list(plan.lengths(_expert_params(graph)[0], layout)[0]) == lengths
+    float32, float64 = check_on_pool(pools.get(4), plan, TrainConfig(steps=3, lr=1e-2))
+    assert float64.ok and not float64.lowered, float64.describe()
+    assert float32.ok, float32.describe()
+
+
+def test_planner_chooses_uneven_expert_parallelism() -> None:
+    """Experts dominate the weights (8 experts, hidden 256, FFN 1024), 2 fast + 2 slow devices:
+    the search splits the experts, more of them on the fast devices."""
+    ref = "hf:mixtral,experts=routed,num_layers=1,hidden=256,ffn_hidden=1024,num_local_experts=8,num_heads=4"
+    graph = capture_model(ref)
+    plan = make_plan(graph, load_cluster(CLUSTER), progress=False, with_baselines=False)
+    assert [i.local for i in plan.instructions if i.node and i.kind == "compute"
+            and graph.node(i.node).target == OP] == ["experts_sharded"]
+    lengths = list(plan.lengths(_expert_params(graph)[0], S(0))[0])
+    assert sum(lengths) == 8 and min(lengths[:2]) > max(lengths[2:]), lengths
