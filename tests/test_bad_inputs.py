@@ -312,6 +312,7 @@ DOOR_CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
 
 
 @pytest.mark.parametrize("argv, needle", [(c[1], c[2]) for c in DOOR_CASES], ids=[c[0] for c in DOOR_CASES])
+@pytest.mark.slow
 def test_unusable_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], needle: str, valid_plan: dict,
                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "door.py").write_text(DOOR_MODEL)

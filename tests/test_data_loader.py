@@ -113,6 +113,7 @@ def test_epochs_reshuffle_and_passes_repeat() -> None:
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(first, other))
 
 
+@pytest.mark.slow
 def test_shapes_of_a_rank_that_reads_no_rows() -> None:
     plan = plan_of("pipeline")
     rows = input_rows(plan, 1)

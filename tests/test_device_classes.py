@@ -52,6 +52,7 @@ def test_a_class_holds_devices_with_equal_shares(problem: tuple[Problem, hetsynt
             assert pb.lengths.rank_shares(tensor, layout) == pb.devices.expand(pb.shares(tensor, layout))
 
 
+@pytest.mark.slow
 def test_lp_over_classes_equals_lp_over_devices(problem: tuple[Problem, hetsynth.Plan]) -> None:
     """Devices of a class have the same constraints, so the per-device LP has a symmetric
     optimum: its objective equals the LP with one variable per class."""

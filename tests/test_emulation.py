@@ -148,6 +148,7 @@ stop.set()
 
 @needs_root
 @pytest.mark.parametrize("engine", ["separate", "shared"])
+@pytest.mark.slow
 def test_communication_threads_leave_the_device_quota(engine: str) -> None:
     """comm_engine = "separate": a thread the worker makes after joining its device (gloo's, in
     a run) moves to the rank's communication cgroup, on any CPU, while the main thread stays in

@@ -49,6 +49,7 @@ def _model(kind: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.slow
 def test_default_experts_capture_with_rules_and_compute_the_loss(kind: str) -> None:
     model, inputs = _model(kind)
     graph = capture(model, inputs)
@@ -60,6 +61,7 @@ def test_default_experts_capture_with_rules_and_compute_the_loss(kind: str) -> N
     torch.testing.assert_close(got, model(*inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixtral_plans_without_fallback() -> None:
     model, inputs = _model("mixtral")
     made = plan(model, inputs, str(CLUSTER), num_devices=2, ratios=[0.75, 0.25])
@@ -190,6 +192,7 @@ def test_routed_experts_backward_is_autograd_of_its_math() -> None:
             torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12, msg=act)
 
 
+@pytest.mark.slow
 def test_routed_experts_match_transformers_with_the_router_loss() -> None:
     """`experts=routed` computes what transformers' batched_mm does, loss (with the router's
     auxiliary loss) and gradients, and captures as one op with FLOPs and rules."""

@@ -113,6 +113,7 @@ def test_llama_pipeline_with_a_micro_batch_of_one_trains_exactly(pools, llama_pl
         assert float((value - expected[name]).abs().max()) <= 1e-8, name
 
 
+@pytest.mark.slow
 def test_the_fastest_schedule_that_fits_is_chosen(llama_plan, monkeypatch: pytest.MonkeyPatch) -> None:
     """GPipe (all M micro-batches in flight) predicted fastest but over memory: the fastest
     schedule that fits is taken instead (Llama at the 8B shape on hap-paper: GPipe 16.1 of 16 GiB

@@ -95,6 +95,7 @@ def test_planning_a_kind_without_a_cost_term_fails_loudly(plan: hetsynth.Plan, s
         instruction_term(pb, scratch, {})
 
 
+@pytest.mark.slow
 def test_running_a_kind_without_codegen_fails_before_emitting(plan: hetsynth.Plan, scratch: Instruction) -> None:
     bad = plan.model_copy(update={"instructions": (*plan.instructions, scratch)})
     with pytest.raises(MissingImplementation, match="codegen for instruction kind 'scratch'.*all_gather"):

@@ -147,6 +147,7 @@ def _as_version_1(raw: dict) -> dict:
             "instructions": [{**i, "src": i["src"] or ""} for i in raw["instructions"]]}
 
 
+@pytest.mark.slow
 def test_a_version_1_plan_is_read_with_a_warning(plan: Plan, caplog: pytest.LogCaptureFixture) -> None:
     old = _as_version_1(json.loads(plan.model_dump_json()))
     with caplog.at_level(logging.WARNING, logger="hetsynth.instruction_set.plan"):

@@ -37,6 +37,7 @@ def test_calibration_preserves_ratios_and_matches_the_whole() -> None:
     assert [n.measured_s for n in out] == [2.0, 6.0, None]
 
 
+@pytest.mark.slow
 def test_device_scales_replace_the_matmul_rate_ratio(measured) -> None:
     """A kind whose whole model was timed on the device (profiling.model_timing) is charged
     that factor for every op; kinds not timed keep the matmul-rate ratio."""

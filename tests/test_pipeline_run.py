@@ -93,6 +93,7 @@ def test_options_pipelines_lack_are_refused_before_any_rank_starts(plan_path: st
     assert out.stderr.startswith("error: --memory-report: not available for pipeline plans yet"), out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_report_draws_the_stages_and_the_recorded_timeline(plan_path: str, tmp_path: Path, capsys) -> None:
     """The plan records the chosen schedule's simulated step (every F and B of every stage and
     micro-batch, the transfers, ending by the predicted step time); `hetsynth report` draws it

@@ -37,6 +37,7 @@ def test_plan_beats_or_matches_every_baseline(gpt_a100_t4: hetsynth.Plan) -> Non
     assert set(plan.baselines) == {"dp_ev", "dp_cp", "megatron"}
 
 
+@pytest.mark.slow
 def test_fast_devices_get_bigger_shares(gpt_a100_t4: hetsynth.Plan) -> None:
     a100, t4 = gpt_a100_t4.sharding_ratios[0], gpt_a100_t4.sharding_ratios[-1]
     assert a100 > t4 and sum(gpt_a100_t4.sharding_ratios) == pytest.approx(1.0)

@@ -154,6 +154,7 @@ def test_the_ratios_follow_the_16_bit_rates(plans: dict[str, Plan]) -> None:
     assert plans["auto"].predicted.step_time_s < plans["fp32"].predicted.step_time_s
 
 
+@pytest.mark.slow
 def test_the_plan_records_the_policy_and_round_trips(plans: dict[str, Plan], tmp_path: Path) -> None:
     plan = plans["auto"]
     assert plan.precision == choose_policy(plan.cluster, "auto")

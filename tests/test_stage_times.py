@@ -50,6 +50,7 @@ def test_stage_phases_charge_one_coalesced_sync_per_axis(pipeline):
         assert stage_phases(plan).sync_s == pytest.approx(all_reduce_s(LOCAL, st.ranks, nbytes), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_shared_embedding_and_world_scalars_cost_time(pipeline):
     p = pipeline.pipeline
     assert shared_s(p.stages, LOCAL) > 0.0  # GPT's tied tok.weight lives on both stages

@@ -89,6 +89,7 @@ def test_predicted_trace_matches_the_plan(plans: dict[str, Plan], name: str) -> 
 
 
 @pytest.mark.parametrize("name", ["gpt uneven", "vit searched"])
+@pytest.mark.slow
 def test_gradient_buckets_overlap_the_backward_in_the_trace(plans: dict[str, Plan], name: str) -> None:
     """Every bucket of the plan is on the gradient sync lane, in order, none before it is ready
     or before the one ahead of it ends; the wait after the backward is what is left of them."""
