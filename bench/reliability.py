@@ -74,7 +74,7 @@ def rank_pid(plan: Path, rank: int) -> int:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"runtime.worker" in cmd and str(plan).encode() in cmd and f"RANK={rank}".encode() in env:
+        if b"hetsynth.runtime.worker" in cmd and str(plan).encode() in cmd and f"RANK={rank}".encode() in env:
             return int(pid)
     raise RuntimeError(f"no worker of rank {rank} for {plan}")
 

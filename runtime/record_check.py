@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import stat
 import tempfile
 from pathlib import Path
@@ -96,11 +97,32 @@ def _session(name: str, pid: int, tempdirs: list[Path]) -> str | None:
     if start_ticks(pgid) != start:
         return None
     status = _status_dir(pgid)
+    if status is None and _exiting(pgid, start):
+        return None  # the run's own process, dying with its launcher: nothing left to kill
     if status is None or not any(status.is_relative_to(d) for d in tempdirs):
         return (f"process {pgid} is not one this run started (its environment has no {STATUS_ENV} "
                 f"inside the record's temporary directories)")
     return None
 
+
+
+def _exiting(pid: int, start: int, wait_s: float = 2.0) -> bool:
+    """Whether process `pid` (started at `start`) is gone, a zombie, or exiting within
+    `wait_s`. A process that is exiting has released its memory, so its environment reads as
+    empty; a command started right after a launcher was killed meets its ranks in that state
+    (they die with it, by PR_SET_PDEATHSIG) and must not take them for someone else's."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[19]) != start or fields[0] in ("Z", "X"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _status_dir(pid: int) -> Path | None:

@@ -33,7 +33,7 @@ def _batch(spec, plan: Plan, index: int) -> tuple[torch.Tensor, ...]:
 
 
 def user_worker(rank: int, world: int, plan: Plan) -> dict:
-    from hetsynth.parallelize import parallelize
+    from hetsynth.parallel import parallelize
     from hetsynth.runtime.input_rows import input_rows
 
     spec = parse_model_ref(plan.model.ref)
@@ -115,7 +115,7 @@ def test_user_loop_matches_one_device(pools, schedule: Schedule) -> None:
 
 def scale_worker(rank: int, world: int, plan: Plan) -> list[float]:
     """The global gradient norm after train_step with loss_scale 1, 0.5 and 3 on one batch."""
-    from hetsynth.parallelize import parallelize
+    from hetsynth.parallel import parallelize
     from hetsynth.runtime.input_rows import input_rows
 
     spec = parse_model_ref(plan.model.ref)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,25 @@ def test_a_record_that_cannot_be_cleaned_blocks_no_other(tmp_path: Path, monkeyp
     monkeypatch.setitem(runstate.REMOVERS, "tempdir", real)
     assert runstate.remove_dead_runs() == [f"removed what a dead run (pid {owner.pid}) left: 1 temporary directory"]
     assert not dirs[0].exists()
+
+
+def test_a_dying_process_of_the_run_is_not_taken_for_another() -> None:
+    """A rank killed with its launcher is a zombie (or exiting, its environment unreadable)
+    when the next command cleans up: record_check takes it as gone, not as a process this
+    run did not start; a live process is not."""
+    from hetsynth.runtime.names import start_ticks
+    from hetsynth.runtime.record_check import _exiting
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        start = start_ticks(child.pid)
+        assert start is not None and not _exiting(child.pid, start, wait_s=0.2)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1][0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)  # not reaped yet: a zombie
+        assert _exiting(child.pid, start, wait_s=0.2)
+    finally:
+        child.kill()
+        child.wait()
+    assert _exiting(child.pid, start, wait_s=0.2)  # reaped: gone
