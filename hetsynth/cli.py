@@ -43,7 +43,9 @@ def show_progress() -> None:
 def main(argv: list[str] | None = None) -> int:
     from hetsynth.runtime.emulation import EmulationError
     from hetsynth.runtime.launch import RunFailed
+    from hetsynth.runtime.quick_exit import freeze_at_exit
 
+    freeze_at_exit()
     args = build_parser().parse_args(argv)
     show_progress()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][1]

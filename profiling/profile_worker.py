@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.instruction_set.cluster import dump_cluster_toml, load_cluster
 from hetsynth.instruction_set.files import write_atomic
 from hetsynth.instruction_set.mesh import Mesh
@@ -31,6 +32,7 @@ OUTER_SKEWS = [None]  # outer groups of two nodes; their shares follow node sums
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     p = argparse.ArgumentParser(prog="hetsynth.profiling.profile_worker")
     p.add_argument("--cluster", required=True)
     p.add_argument("--output", required=True)

@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 
+from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.instruction_set.files import write_atomic
 
 PR_SET_PDEATHSIG = 1
@@ -81,6 +82,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     args = parse(argv)
     if args.parent is not None:
         die_with_parent(args.parent)

@@ -53,6 +53,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.instruction_set.files import write_atomic
 from hetsynth.instruction_set.models import parse_model_ref
 from hetsynth.instruction_set.plan import Plan, PlanShape
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     p = build_parser()
     args = p.parse_args(argv)
     if len(args.plans) != len(args.names):

@@ -6,7 +6,8 @@ stopped rank of a killed launcher goes too: runtime.agent), start this rank's he
 (runtime.heartbeat: a status file the launcher watches), join this rank's emulated device
 when there is one (runtime.emulation), one torch thread per OMP_NUM_THREADS, create the
 default process group (NCCL on a GPU, gloo on CPU) with the collective timeout, run
-`body(rank, device)`, then a barrier and teardown. Logging prints with the rank in front
+`body(rank, device)`, leave the emulated device (its quota is for the work), then a barrier
+and teardown. Logging prints with the rank in front
 (runtime.logs). Any exception logs `rank N failed: <type>: <message>` on stderr and goes
 into the status file (the launcher's failure line carries it; HETSYNTH_DEBUG=1 adds the
 traceback) and the exit status is 1, so the other ranks fail their next collective within
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hetsynth.runtime.agent import AGENT_ENV, PR_SET_PDEATHSIG
-from hetsynth.runtime.emulation import join_device
+from hetsynth.runtime.emulation import join_device, leave_device
 from hetsynth.runtime.heartbeat import Heartbeat
 from hetsynth.runtime.logs import configure_rank_logging
 
@@ -57,6 +58,7 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         body(rank, device)
+        leave_device()
         dist.barrier()
         dist.destroy_process_group()
         beat.finish("done")

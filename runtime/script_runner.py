@@ -30,8 +30,9 @@ import traceback
 from types import TracebackType
 from typing import TextIO
 
+from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.runtime.agent import AGENT_ENV, die_with_parent
-from hetsynth.runtime.emulation import join_device
+from hetsynth.runtime.emulation import join_device, leave_device
 from hetsynth.runtime.heartbeat import Heartbeat
 from hetsynth.runtime.logs import configure_rank_logging
 
@@ -122,6 +123,7 @@ def _prefixed_run(rank: int, script: str, args: list[str]) -> tuple[int, str | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or not os.path.isfile(argv[0]):
         print(f"{USAGE}\nerror: script {argv[0] if argv else None!r} is not a file", file=sys.stderr)
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         status, message = 1, f"{type(err).__name__}: {err}"
     else:
         status, message = _prefixed_run(rank, os.path.abspath(argv[0]), argv[1:])
+        leave_device()
     beat.finish("failed" if status else "done", message)
     if message:
         log.error("failed: %s", message)

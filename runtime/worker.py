@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.instruction_set.files import write_atomic
 from hetsynth.instruction_set.plan import PlanShape
 from hetsynth.runtime.checkpoint import load_checkpoint, save_atomic, save_checkpoint
@@ -154,6 +155,7 @@ def _finish(trainer: Trainer, args: argparse.Namespace, steps: list[dict], start
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     args = parse_args(argv)
 
     def body(rank: int, device: torch.device) -> None:

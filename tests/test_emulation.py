@@ -133,7 +133,7 @@ def test_compute_ratio_matches_quotas() -> None:
 
 THREADS = """
 import os, threading, time
-from hetsynth.runtime.emulation import join_device
+from hetsynth.runtime.emulation import join_device, leave_device
 engine = join_device()
 stop = threading.Event()
 worker = threading.Thread(target=stop.wait)   # a thread made after joining, as gloo's are
@@ -142,6 +142,8 @@ time.sleep(0.3)
 def group(tid): return open(f"/proc/self/task/{tid}/cgroup").read()
 print(repr(engine is not None), group(os.getpid()).count("/r0"), group(worker.native_id).count("/c0"),
       sorted(os.sched_getaffinity(worker.native_id)) == sorted(range(os.cpu_count())), len(os.sched_getaffinity(0)))
+leave_device()
+print(group(os.getpid()).count("/r0"), group(worker.native_id).count("/hse"), len(os.sched_getaffinity(0)) == os.cpu_count())
 stop.set()
 """
 
@@ -152,7 +154,8 @@ stop.set()
 def test_communication_threads_leave_the_device_quota(engine: str) -> None:
     """comm_engine = "separate": a thread the worker makes after joining its device (gloo's, in
     a run) moves to the rank's communication cgroup, on any CPU, while the main thread stays in
-    the device's quota, on its one CPU; "shared": no communication group, nothing moves."""
+    the device's quota, on its one CPU; "shared": no communication group, nothing moves. After
+    leave_device() (the work done) every thread is in the root group, on any CPU."""
     raw = SPEC.model_dump(mode="json")
     raw["emulation"]["comm_engine"] = engine
     with Emulation(cluster_from_dict(raw)) as emu:
@@ -162,7 +165,8 @@ def test_communication_threads_leave_the_device_quota(engine: str) -> None:
                              timeout=60)
     assert out.returncode == 0, out.stderr
     separate = engine == "separate"
-    assert out.stdout.split() == [str(separate), "1", "1" if separate else "0", str(separate), "1"], out.stdout
+    assert out.stdout.split() == [str(separate), "1", "1" if separate else "0", str(separate), "1",
+                                  "0", "0", "True"], out.stdout
 
 
 @needs_root
