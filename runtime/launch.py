@@ -440,10 +440,11 @@ class RunResult:
 
 
 def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
-           dtype: str | None, digest: str) -> tuple[RunResult, str, str]:
+           dtype: str | None, digest: str, twin: str | None = None) -> tuple[RunResult, str, str]:
     """One run of the plan (in `dtype`, None: as planned) in its own directory under the run's
     work directory, its ranks held to the plan file's `digest`; (its result, report,
-    parameters and buffers)."""
+    parameters and buffers). `twin`: the same ranks then train the plan's twin in that dtype
+    (worker --twin), whose report and parameters go where `_train(..., dtype=twin)` puts them."""
     tag = dtype or "plan"
     (workdir / tag).mkdir()
     report = opts.report if opts.report and dtype is None else str(workdir / tag / "report.json")
@@ -451,7 +452,21 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     run_opts = opts if dtype is None else dataclasses.replace(opts, save=None, quiet=True,
                                                               memory_report=False)
     worker = worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype)
+    if twin is not None:
+        (workdir / twin).mkdir()
+        worker += ["--twin", twin, "--twin-report", str(workdir / twin / "report.json"),
+                   "--twin-params", str(workdir / twin / "params.pt")]
     return _launched(record, workdir / tag, plan.cluster, worker, opts.timeout_s, plan_path, digest), report, params_out
+
+
+def twin_in_the_run(plan: Plan, opts: RunOptions) -> str | None:
+    """The dtype of the twin that --check trains in the run's own launch ("float64"), or None:
+    no check, a float64 plan (no twin), or --memory-report (the emulated devices' measured peaks
+    must be the plan's run alone; the twin then gets a launch of its own). One launch instead of
+    two saves a launch's start and end (agents, interpreters, process groups: about 5 s)."""
+    if not opts.check or plan.model.dtype == "float64" or opts.memory_report:
+        return None
+    return "float64"
 
 
 def _launched(record: RunRecord, workdir: Path, cluster: ClusterSpec, worker: list[str], timeout_s: float,
@@ -470,14 +485,18 @@ def _launched(record: RunRecord, workdir: Path, cluster: ClusterSpec, worker: li
 
 
 def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, workdir: Path,
-           first: tuple[str, str], digest: str) -> RunResult:
-    """Compare the run as planned (information unless float64) and the float64 twin (decides)."""
+           first: tuple[str, str], digest: str, twin_done: bool) -> RunResult:
+    """Compare the run as planned (information unless float64) and the float64 twin (decides);
+    `twin_done`: the run's own launch trained the twin (twin_in_the_run), else it is launched."""
     results = [_compare(plan, opts, *first, plan.model.dtype)]
     if plan.model.dtype != "float64":
-        log.info("check: running the plan's float64 twin (same program, float64 tensors)")
-        twin, report, params = _train(plan, plan_path, opts, record, workdir, "float64", digest)
-        if twin.rc != 0:
-            return dataclasses.replace(twin, comparisons=tuple(results))
+        if twin_done:
+            report, params = str(workdir / "float64" / "report.json"), str(workdir / "float64" / "params.pt")
+        else:
+            log.info("check: running the plan's float64 twin (same program, float64 tensors)")
+            twin, report, params = _train(plan, plan_path, opts, record, workdir, "float64", digest)
+            if twin.rc != 0:
+                return dataclasses.replace(twin, comparisons=tuple(results))
         results.append(_compare(plan, opts, report, params, "float64"))
     return RunResult(0 if results[-1].ok else 1, comparisons=tuple(results))
 
@@ -493,13 +512,16 @@ def run(plan: Plan, plan_path: str | None, opts: RunOptions) -> RunResult:
             plan_path = str(workdir / "plan.json")
             save_plan(plan, plan_path)
         digest = validated_digest(plan, plan_path)
-        result, report, params = _train(plan, plan_path, opts, record, workdir, None, digest)
+        twin = twin_in_the_run(plan, opts)
+        result, report, params = _train(plan, plan_path, opts, record, workdir, None, digest, twin)
         if opts.memory_report and (workdir / "plan" / MEMORY_FILE).exists():
             usage = {int(r): u for r, u in json.loads((workdir / "plan" / MEMORY_FILE).read_text()).items()}
             log.info("%s", format_cgroup_peaks(plan, usage))
+        if result.rc != 0 and twin is not None and Path(params).exists():  # the plan's run done, its twin failed
+            return dataclasses.replace(result, comparisons=(_compare(plan, opts, report, params, plan.model.dtype),))
         if result.rc != 0 or not opts.check:
             return result
-        return _check(plan, plan_path, opts, record, workdir, (report, params), digest)
+        return _check(plan, plan_path, opts, record, workdir, (report, params), digest, twin is not None)
 
 
 def run_script(plan: Plan, plan_path: str, script: str, args: list[str], *, timeout_s: float,

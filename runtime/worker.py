@@ -5,6 +5,10 @@ Reads RANK / WORLD_SIZE / LOCAL_RANK from torchrun, initialises the default proc
 the plan, trains, and on rank 0 logs a line per step (`--quiet`: none) and writes a JSON report.
 Any failure logs `rank N failed: ...` on stderr and exits 1, so torchrun stops the others.
 
+With `--twin DTYPE` (run --check of a plan not in float64), the same ranks then train the
+plan's twin in DTYPE in the same process group, quietly, writing `--twin-report` and
+`--twin-params`: the check's second run without a second launch.
+
 With `--trace-raw DIR`, the last `--trace-steps` steps (never the first one run) are traced
 (runtime.timing: every instruction timed) and every rank writes DIR/rank<N>.json.
 
@@ -31,7 +35,7 @@ import torch.distributed as dist
 
 from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.instruction_set.files import write_atomic
-from hetsynth.instruction_set.plan import PlanShape
+from hetsynth.instruction_set.plan import Plan, PlanShape
 from hetsynth.runtime.checkpoint import load_checkpoint, save_atomic, save_checkpoint
 from hetsynth.runtime.config import add_train_arguments, train_config
 from hetsynth.runtime.groups import Groups
@@ -62,7 +66,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-steps", type=int, default=1, help="the last N steps are traced")
     p.add_argument("--memory-report", action="store_true",
                    help="measure the memory of the second step run on every rank (runtime.memory_report)")
+    p.add_argument("--twin", help="then, in the same process group, train the plan's twin in this dtype (the "
+                                  "float64 twin of run --check): quiet, no checkpoint, no trace")
+    p.add_argument("--twin-report", help="the twin's --report")
+    p.add_argument("--twin-params", help="the twin's --params-out")
     return p.parse_args(argv)
+
+
+def twin_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The twin's arguments: the run's, in `--twin`'s dtype, writing the twin's report and
+    parameters, and nothing else (no checkpoint, step lines, memory report or trace)."""
+    return argparse.Namespace(**(vars(args) | {
+        "dtype": args.twin, "report": args.twin_report, "params_out": args.twin_params, "save": None,
+        "quiet": True, "memory_report": False, "trace_raw": None, "twin": None}))
 
 
 class InjectedFault(RuntimeError):
@@ -160,29 +176,39 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(rank: int, device: torch.device) -> None:
         if rank == 0:  # before any work: a bad path must not cost the run
-            check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out},
+            check_outputs({"--save": args.save, "--report": args.report, "--params-out": args.params_out,
+                           "--twin-report": args.twin_report, "--twin-params": args.twin_params},
                           inputs={"--plan": args.plan, "--resume": args.resume})
         plan = load_rank_plan(args.plan)
-        if plan.shape is PlanShape.PIPELINE:
-            run_pipeline(plan, rank, args, _inject)
-            return
-        groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
-        config = train_config(args)
-        trainer = setup(plan, groups, config, device)
-        start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
-        if rank == 0 and args.resume and not args.quiet:
-            log.info("resumed from %s (step %d): training steps %d-%d", args.resume, start, start + 1, args.steps)
-        if args.memory_report and args.steps - start < 2:
-            raise ValueError(f"--memory-report measures the second step run, but this run trains steps "
-                             f"{start + 1}-{args.steps}; give --steps {start + 2} or more")
-        tracer = StepTracer(trainer) if args.trace_raw else None
-        memory: list[RankMemory] = []
-        steps = _train(trainer, args, start, tracer, memory)
-        _finish(trainer, args, steps, start, _memory_report(trainer, args, memory))
-        if tracer is not None:
-            write_atomic(Path(args.trace_raw, f"rank{rank}.json"), json.dumps(tracer.record()))
+        train_plan(plan, rank, device, args)
+        if args.twin:
+            if rank == 0:
+                log.info("check: training the plan's %s twin (same program, %s tensors)", args.twin, args.twin)
+            train_plan(plan, rank, device, twin_args(args))
 
     return run_rank(body, timeout_s=args.timeout)
+
+
+def train_plan(plan: Plan, rank: int, device: torch.device, args: argparse.Namespace) -> None:
+    """This rank's part of training `plan` as `args` say (an SPMD or a pipeline plan)."""
+    if plan.shape is PlanShape.PIPELINE:
+        run_pipeline(plan, rank, args, _inject)
+        return
+    groups = Groups.create(plan.mesh, rank, world=dist.group.WORLD)
+    config = train_config(args)
+    trainer = setup(plan, groups, config, device)
+    start = load_checkpoint(trainer, args.resume, args.steps) if args.resume else 0
+    if rank == 0 and args.resume and not args.quiet:
+        log.info("resumed from %s (step %d): training steps %d-%d", args.resume, start, start + 1, args.steps)
+    if args.memory_report and args.steps - start < 2:
+        raise ValueError(f"--memory-report measures the second step run, but this run trains steps "
+                         f"{start + 1}-{args.steps}; give --steps {start + 2} or more")
+    tracer = StepTracer(trainer) if args.trace_raw else None
+    memory: list[RankMemory] = []
+    steps = _train(trainer, args, start, tracer, memory)
+    _finish(trainer, args, steps, start, _memory_report(trainer, args, memory))
+    if tracer is not None:
+        write_atomic(Path(args.trace_raw, f"rank{rank}.json"), json.dumps(tracer.record()))
 
 
 if __name__ == "__main__":

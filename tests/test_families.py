@@ -103,3 +103,5 @@ def test_cli_inspect_plan_run_check(tmp_path: Path) -> None:
     out = hetsynth_cli("run", plan, "--steps", "3", "--check")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "check (information) float32" in out.stdout and "check: float64" in out.stdout and "OK" in out.stdout
+    # the twin trains in the run's own launch (runtime.launch.twin_in_the_run), after the run's steps
+    assert out.stdout.index("step    3/3") < out.stdout.index("rank 0 check: training the plan's float64 twin")
