@@ -23,11 +23,21 @@ def resolve_target(target: str) -> Any:
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+def copy_into(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """aten.copy (the functional form of `self.copy_(src)`, which torch.export records for a
+    slice assignment such as `x[..., :d] = y`): `src` broadcast to self's shape, in self's dtype
+    and on its device. aten.copy has no autograd formula ("derivative for aten::copy is not
+    implemented"); this form's gradient is the same: d/d src is the incoming gradient summed
+    over the broadcast dims (cast back), d/d self is zero (self's values are overwritten)."""
+    return src.to(dtype=self.dtype, device=self.device, non_blocking=non_blocking).expand(self.shape).clone()
+
+
 # Views run as reshapes: the graph records `view` where the traced tensor's strides allowed
 # it, but strides are not part of the graph, and a kernel may lay out its output otherwise at
 # run time (sdpa's output on another device or dtype); reshape views when it can, else copies.
 RUN_AS = {"aten.view.default": torch.ops.aten.reshape.default,
-          "aten._unsafe_view.default": torch.ops.aten.reshape.default}
+          "aten._unsafe_view.default": torch.ops.aten.reshape.default,
+          "aten.copy.default": copy_into}
 
 
 def run_target(target: str) -> Any:

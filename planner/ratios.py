@@ -39,6 +39,9 @@ PuLP: HiGHS in-process by default (no temporary files), CBC as the fallback.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -67,8 +70,31 @@ class RatioSolution:
 def _solver() -> tuple[pulp.LpSolver, str]:
     highs = pulp.HiGHS(msg=False)
     if highs.available():
+        _highs_banner_silenced()
         return highs, "HiGHS"
     return pulp.PULP_CBC_CMD(msg=False), "CBC"
+
+
+@functools.cache
+def _highs_banner_silenced() -> None:
+    """highspy writes a two-line banner ("Running HiGHS ... Copyright ...") to the process's
+    stdout at its first Highs() of the process, before any option (msg=False included) can be
+    set; the first one is made here with file descriptor 1 on /dev/null, so that a plan's
+    output has no solver banner in it."""
+    import ctypes
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+            ctypes.CDLL(None).fflush(None)  # the banner out of C's buffer while fd 1 is still /dev/null
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def top_level(terms: Sequence[Term]) -> tuple[list[Form], list[tuple[Overlap, int]]]:

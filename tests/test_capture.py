@@ -218,3 +218,33 @@ def test_local_decomposition_equals_the_retrace(ref: str, local: bool, monkeypat
     fast = _canonical(capture_model(ref))
     monkeypatch.setattr(lower, "decompose_locally", lambda *a: False)
     assert used == [local] and fast == _canonical(capture_model(ref))
+
+
+class SliceAssigned(nn.Module):
+    """Slice assignment into a fresh tensor (as DeepSeek-V3's attention does): torch.export
+    records the functional aten.copy, which has no autograd formula of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        out = h.new_zeros(h.shape)
+        out[..., :3] = h[..., 3:] * 2
+        out[..., 3:] = h[..., :3]
+        return (out ** 2).sum()
+
+
+def test_slice_assignment_trains_through_the_graph() -> None:
+    torch.manual_seed(0)
+    m, x = SliceAssigned(), torch.randn(4, 6, dtype=torch.float64)
+    graph = capture(m, (x,), model_ref="SliceAssigned")
+    assert "aten.copy.default" in {n.target for n in graph.calls}
+    loss = run_graph(graph, graph_inputs(graph, m, (x,)))
+    loss.backward()
+    got, m.w.grad = m.w.grad.clone(), None
+    want = m(x)
+    want.backward()
+    assert float(loss) == pytest.approx(float(want), rel=1e-12)
+    torch.testing.assert_close(got, m.w.grad, rtol=1e-12, atol=1e-12)

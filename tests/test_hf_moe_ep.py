@@ -59,3 +59,17 @@ def test_planner_chooses_uneven_expert_parallelism() -> None:
             and graph.node(i.node).target == OP] == ["experts_sharded"]
     lengths = list(plan.lengths(_expert_params(graph)[0], S(0))[0])
     assert sum(lengths) == 8 and min(lengths[:2]) > max(lengths[2:]), lengths
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_families_plan_and_train_exactly(pools, family: str) -> None:
+    """DeepSeek-V2 (complex rotary: polar, view_as_complex, view_as_real) and DeepSeek-V3
+    (slice assignment: aten.copy) capture with no flags, and a 4-rank plan with uneven ratios
+    matches single-device training in float64."""
+    graph = capture_model(f"hf:{family}")
+    assert not graph.fallback_ops
+    plan = make_plan(graph, load_cluster(CLUSTER), ratios=[0.4, 0.3, 0.2, 0.1], progress=False,
+                     with_baselines=False)
+    float32, float64 = check_on_pool(pools.get(4), plan, TrainConfig(steps=2, lr=1e-2))
+    assert float64.ok, float64.describe()
+    assert float32.ok, float32.describe()

@@ -65,3 +65,15 @@ def test_node_shares_sum_the_nodes_ratios() -> None:
     node = Term.leaf(LinearCost((0.0,) * 4, (1.0, 1.0, 3.0, 3.0)), Shares((0.5,) * 4, ShareKind.NODE), COMPUTE)
     sol = solve_ratios([node], [16] * 4, nodes=[0, 0, 1, 1])
     assert sol.ratios[0] + sol.ratios[1] == pytest.approx(0.75, abs=1e-6)
+
+
+def test_the_solver_prints_no_banner() -> None:
+    """highspy's banner, written at a process's first Highs(), does not reach the plan's output."""
+    import subprocess
+    import sys
+
+    code = ("from hetsynth.planner.ratios import _solver\nprint('before')\n_solver()\n"
+            "import highspy\nhighspy.Highs()\nprint('after')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["before", "after"], out.stdout

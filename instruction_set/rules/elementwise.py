@@ -37,7 +37,7 @@ LINEARITY: dict[str, str] = {
     "aten.type_as.default": UNARY,
 }
 
-# Elementwise ops without the pointwise tag (conversions, aliases, fills, dropout).
+# Elementwise ops without the pointwise tag (conversions, aliases, fills, dropout, polar).
 ELEMENTWISE = [
     "aten._to_copy.default", "aten.alias.default", "aten.detach.default", "aten.fill.Scalar",
     "aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default",
@@ -45,6 +45,7 @@ ELEMENTWISE = [
     "aten.lift_fresh_copy.default", "aten.masked_fill.Tensor", "aten.to.dtype",
     "aten.to.dtype_layout", "aten.contiguous.default", "aten.type_as.default",
     "aten.dropout.default", "aten.bernoulli.p", "aten.rand_like.default", "aten.randn_like.default",
+    "aten.polar.default",
 ]
 
 

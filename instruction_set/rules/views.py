@@ -95,6 +95,16 @@ def _keep_dims_except(node: Node, metas: tuple[TensorMeta, ...], dropped: set[in
     return rules
 
 
+def _view_as_complex(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    """(..., 2) real -> (...) complex: the pairs' dim is consumed; the others keep their place."""
+    return _keep_dims_except(node, metas, {len(metas[0].shape) - 1})
+
+
+def _view_as_real(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
+    """(...) complex -> (..., 2) real: every input dim keeps its place, the pairs' dim is new and last."""
+    return _keep_dims_except(node, metas, set())
+
+
 def _unsqueeze(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
     d = norm_dim(arg(node, 1, "dim"), len(metas[0].shape) + 1)
     return _keep_dims_except(node, metas, set(), shift_at=d)
@@ -218,6 +228,8 @@ register(["aten.transpose.int"], _transpose)
 register(["aten.permute.default"], _permute)
 register(["aten.t.default"], _t)
 register(["aten.unsqueeze.default"], _unsqueeze)
+register(["aten.view_as_complex.default"], _view_as_complex)
+register(["aten.view_as_real.default"], _view_as_real)
 register(["aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default"], _squeeze)
 register(["aten.select.int"], _select)
 register(["aten.slice.Tensor"], _slice)
