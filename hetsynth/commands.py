@@ -109,12 +109,6 @@ def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
         raise ValueError("--micro-batches and --schedule need --stages")
     if plan.predicted.fits:
         return None
-    if args.precision != "fp32":  # pipeline stages are planned in float32 only
-        from hetsynth.planner.feasibility import PlanInfeasible
-        from hetsynth.planner.planner import shortfall_message
-
-        raise PlanInfeasible(f"{shortfall_message(plan)}. With --precision {args.precision} no pipeline is tried "
-                             f"(pipeline stages are planned in float32 only)")
     if args.zero not in ("auto", "0"):  # the pipeline runtime keeps training state whole
         from hetsynth.planner.feasibility import PlanInfeasible
         from hetsynth.planner.planner import shortfall_message
@@ -191,9 +185,6 @@ def plan_run(args: argparse.Namespace) -> int:
 
     check_outputs({"-o": args.output},  # before the synthesis it would throw away
                   inputs={"--cluster": args.cluster, "--model": model_file(args.model)})
-    if args.stages is not None and args.precision != "fp32":
-        raise ValueError(f"--precision {args.precision} with --stages {args.stages}: pipeline stages are planned in "
-                         f"float32 only; use --precision fp32 or drop --stages")
     if args.stages is not None and args.zero not in ("auto", "0"):
         raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")

@@ -21,11 +21,13 @@ import logging
 from typing import Sequence
 
 from hetsynth.cost_models.flows import NicModel
+from hetsynth.cost_models.precision import costed, costed_cluster
 from hetsynth.cost_models.schedule import Timeline, simulate_schedule
 from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.graph import ReferenceGraph
 from hetsynth.instruction_set.layouts import P, R, Layout
 from hetsynth.instruction_set.mesh import Mesh
+from hetsynth.instruction_set.mixed_precision import Precision
 from hetsynth.instruction_set.models import ModelSpec
 from hetsynth.instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage, PredictedEvent
 from hetsynth.instruction_set.plan import Plan, PlanShape
@@ -49,8 +51,9 @@ class MixedSizesError(ValueError):
 
 
 def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
-    """`plan`'s program and ratios on `graph` (the same stage at another micro-batch size)."""
-    found = _evaluate(graph, cluster, plan.sharding_ratios, plan.instructions)
+    """`plan`'s program and ratios on `graph` (the same stage at another micro-batch size),
+    costed as the plan's precision policy costs it (cost_models.precision)."""
+    found = _evaluate(*costed(graph, cluster, plan.precision_policy()), plan.sharding_ratios, plan.instructions)
     pb = found.problem
     return plan.model_copy(update={
         "model": model_info(graph), "graph": graph, "shards": shard_table(pb, found.program),
@@ -59,14 +62,17 @@ def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
 
 
 def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls: tuple[int, int],
-                 ratios: Sequence[float] | None, width: int) -> dict[int, Plan]:
+                 ratios: Sequence[float] | None, width: int, precision: Precision) -> dict[int, Plan]:
     """The stage's program synthesized at the largest micro-batch size and derived at the
     others; else synthesized at the smallest (the largest's may shard a dim that is 1 at the
-    smallest, such as the batch of a micro-batch of one: no rule shards a dim of 1)."""
+    smallest, such as the batch of a micro-batch of one: no rule shards a dim of 1). Each
+    stage is planned under the whole plan's `precision` on its own sub-cluster (its kinds'
+    compute dtypes, so their rates, are the ones the whole cluster's policy gives them)."""
     failed = []
     for size in sorted({max(graphs), min(graphs)}, reverse=True):
         first = make_plan(stage_graph(graphs[size], *calls), cluster, ratios=ratios, width=width, progress=False,
-                          with_baselines=False, allow_zero=False)  # the pipeline runtime keeps optimizer state whole
+                          with_baselines=False, allow_zero=False,  # the pipeline runtime keeps optimizer state whole
+                          precision=precision)
         if any(i.kind in FUSED_MATMULS for i in first.instructions):
             first = without_fusion(first)  # the pipeline executor runs no fused collective-matmuls (not tested there)
         try:
@@ -129,10 +135,10 @@ def _reshard(src: PipelineStage, dst: PipelineStage, b: int, tensor: str, held: 
 
 
 def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], cluster: ClusterSpec,
-           ratios: Sequence[float] | None, width: int) -> PipelineStage:
+           ratios: Sequence[float] | None, width: int, precision: Precision) -> PipelineStage:
     ranks, calls = choice
     full = next(iter(graphs.values()))
-    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width)
+    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width, precision)
     g = next(iter(plans.values())).graph
     inputs = tuple(n.name for n in g.nodes if n.op == "input" and full.node(n.name).op == "call"
                    and g.node(n.name).op == "input" and n.name in {c.name for c in full.calls[:calls[0]]})
@@ -171,21 +177,14 @@ def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], 
                               schedules={str(s): merged[str(s)] for s in Schedule if str(s) in merged}, timeline=events)
 
 
-def check_float32(spmd: Plan) -> None:
-    """ValueError for a plan whose policy computes in 16 bits: stages are costed in float32 only."""
-    policy = spmd.precision_policy()
-    if policy.is_mixed:
-        raise ValueError(f"pipeline stages are planned in float32 only; the plan's precision is {policy.describe()} "
-                         f"(plan it with precision fp32 for a pipeline)")
-
-
 def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice], *, num_micro: int,
                        schedule: Schedule = Schedule.EAGER_1F1B, ratios: Sequence[Sequence[float] | None] | None = None,
                        width: int = 64, measure: MeasureAt | None = None) -> Plan:
     """`spmd` (the best SPMD plan of the model on the whole cluster) with the pipeline of the
     given stage choice, shape pipeline (module docstring). `measure` times the ops of each
-    micro-batch size (planner.microbatch.micro_graphs)."""
-    check_float32(spmd)
+    micro-batch size (planner.microbatch.micro_graphs). The stages are planned under `spmd`'s
+    precision policy; boundary tensors travel in the model's dtype (runtime.pipeline), so their
+    transfers are costed at its width."""
     cluster, full = spmd.cluster, spmd.graph
     try:
         sizes = micro_batch_sizes(spmd.model.batch_size, num_micro)
@@ -198,7 +197,8 @@ def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice
         graphs, found = micro_graphs(spec, full, sizes)
         log.warning("%s", err)
     ratios = ratios or [None] * len(stages)
-    built = [_stage(i, c, graphs, cluster, ratios[i], width) for i, c in enumerate(stages)]
+    precision = spmd.precision_policy().precision
+    built = [_stage(i, c, graphs, cluster, ratios[i], width, precision) for i, c in enumerate(stages)]
     boundaries = _boundaries(built, cluster)
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     actions = build_actions(schedule, len(sizes), links, len(built))
@@ -276,11 +276,10 @@ def plan_stages(spmd: Plan, spec: ModelSpec, num_stages: int, *, num_micro: int 
     throughputs), with the micro-batch count (of S, 2S, 4S within the batch, unless given) and
     the schedule (unless given) the simulation predicts fastest of those that fit. The plan's
     shape is the pipeline when it is predicted faster than the SPMD plan by more than 2 % or only
-    it fits."""
-    check_float32(spmd)
+    it fits. Cuts follow the groups' throughputs at the policy's compute dtypes."""
     cluster = spmd.cluster
     groups = rank_groups(cluster, num_stages)
-    speeds = cluster.throughputs_flops()
+    speeds = costed_cluster(cluster, spmd.precision_policy()).throughputs_flops()
     cuts = balanced_cuts(spmd.graph, [sum(speeds[r] for r in g) for g in groups])
     batch = spmd.model.batch_size
     counts = [num_micro] if num_micro else sorted({m for m in (num_stages, 2 * num_stages, 4 * num_stages) if m <= batch} or {batch})
@@ -292,12 +291,13 @@ def auto_stages(spmd: Plan, spec: ModelSpec, *, num_micro: int | None = None, sc
     """The stage choice of the dynamic programme (planner.stage_dp: stages, cuts at block
     starts, sub-meshes, M and schedule by its estimate), its `top_k` candidates synthesized
     and simulated, the fastest kept; the shape as in `plan_stages`. The SPMD plan unchanged
-    when no candidate fits the estimate's memory or the model has no blocks to cut between."""
+    when no candidate fits the estimate's memory or the model has no blocks to cut between. The
+    dynamic programme estimates on the graph and cluster as the precision policy costs them."""
     from hetsynth.planner.stage_dp import choose_stages
 
-    check_float32(spmd)
     batch = spmd.model.batch_size
-    found = choose_stages(spmd.graph, spmd.cluster, block_starts(spmd.graph), batch=batch, max_stages=max_stages,
+    graph, cluster = costed(spmd.graph, spmd.cluster, spmd.precision_policy())
+    found = choose_stages(graph, cluster, block_starts(spmd.graph), batch=batch, max_stages=max_stages,
                           schedules=[schedule] if schedule else tuple(Schedule), top_k=top_k,
                           num_micro=num_micro)
     if not found:

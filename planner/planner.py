@@ -461,7 +461,7 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
     start = time.perf_counter()
     policy = choose_policy(cluster, precision)
     costed_graph, costed_cluster = costed(graph, cluster, policy)
-    if policy.is_mixed:
+    if policy.is_mixed and progress:  # not once per pipeline stage program
         log.info("precision %s", policy.describe())
     best, stats = search_plan(costed_graph, costed_cluster, ratios=ratios, width=width, progress=progress,
                               restrictions=restrictions, allow_zero=allow_zero, keep_unfit=keep_unfit)

@@ -222,15 +222,28 @@ def test_explain_and_the_report_show_each_device_s_dtype(plans: dict[str, Plan])
     assert "<p>precision auto: A100 bfloat16, T4 float16 + loss scaling;" in cluster_section(plans["auto"])
 
 
-def test_pipelines_are_refused_for_16_bit_plans(plans: dict[str, Plan], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.slow
+def test_pipeline_stages_are_planned_at_the_16_bit_rates(plans: dict[str, Plan], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A pipeline of an auto-precision plan: every stage is planned under the plan's policy (the
+    A100 stage in bfloat16, the T4 stage in float16 with loss scaling), so each stage's
+    predicted compute is below float32's; the CLI plans it too."""
     from hetsynth.instruction_set.models import parse_model_ref
     from hetsynth.planner.pipeline import plan_stages
 
-    with pytest.raises(ValueError, match=r"pipeline stages are planned in float32 only; the plan's precision is auto"):
-        plan_stages(plans["auto"], parse_model_ref(MODEL), 2)
-    assert main(["plan", "--model", "gpt:tiny", "--cluster", str(A100_T4), "--precision", "auto", "--stages", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "error: --precision auto with --stages 2: pipeline stages are planned in float32 only" in err
+    spec = parse_model_ref(MODEL)
+    made = {p: plan_stages(plans[p], spec, 2, num_micro=2) for p in ("fp32", "auto")}
+    assert made["auto"].precision == plans["auto"].precision
+    for fp32, auto in zip(made["fp32"].pipeline.stages, made["auto"].pipeline.stages):
+        assert auto.calls == fp32.calls
+        for b, stage_plan in auto.plans.items():
+            assert stage_plan.precision_policy().is_mixed
+            assert stage_plan.predicted.compute_s < fp32.plans[b].predicted.compute_s
+    out = tmp_path / "pipe.json"
+    assert main(["plan", "--model", "gpt:tiny", "--cluster", str(A100_T4), "--precision", "auto", "--stages", "2",
+                 "-o", str(out)]) == 0
+    assert "pipeline: 2 stages" in capsys.readouterr().out
+    assert hetsynth.load_plan(out).precision_policy().is_mixed
 
 
 def test_one_loss_scale_where_any_kind_computes_in_float16() -> None:
