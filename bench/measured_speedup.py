@@ -1,7 +1,7 @@
 """Measured speed-ups on the emulated heterogeneous cluster: hetsynth's plan vs torch DDP
 (DDP-EV, DDP-CP) and our own data-parallel plans (DP-EV, DP-CP).
 
-    python bench/measured_speedup.py [--models gpt bert vgg] [--reprofile]
+    python bench/measured_speedup.py [--models gpt bert vgg] [--runs 3] [--reprofile]
 
 Cluster: configs/clusters/local-emulated.toml emulated on this machine (runtime.emulation):
 two nodes, 2 workers at 0.5 CPU and 2 at 0.25 CPU, 200 Mbit/s between the nodes. It is
@@ -14,9 +14,12 @@ same rows as DP-EV (DDP-EV: as users run it) and as DP-CP with the loss weights 
 uneven rows train the global batch (DDP-CP, runtime.ddp), train on the same workers,
 interleaved (runtime.compare: warm-up, then rounds of a few steps of each in turn); the table
 gives the median step time of each, hetsynth's speed-ups against torch DDP and against the
-best of the four baselines, and its predicted step time next to the measured one. Writes
-bench/results/measured_speedup.json as {"models": {name: {hetsynth_s, ddp_ev_s, ddp_cp_s,
-dp_ev_s, dp_cp_s, best_baseline, predicted_s, ...}}}. Needs root for the emulation; without it the processes run unshaped
+best of the four baselines, and its predicted step time next to the measured one. `--runs N`
+(default 3) repeats all of it, planning included, N times: the table gives each time's
+median over the runs and each ratio's median and range. Writes
+bench/results/measured_speedup.json as {"runs": [{model: {hetsynth_s, ddp_ev_s, ..., the
+run's detail}}, ...], "models": {model: {the medians over the runs, best_baseline,
+"ratios": {vs_ddp_ev, vs_ddp_cp, vs_best_baseline, prediction_error: {median, min, max}}}}}. Needs root for the emulation; without it the processes run unshaped
 and the numbers say nothing about heterogeneity.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,12 +110,51 @@ def result(times: dict, made: dict) -> dict:
     return r
 
 
+# each ratio of one run's result (baseline / hetsynth: above 1 favours hetsynth)
+RATIOS = {
+    "vs_ddp_ev": lambda r: r["ddp_ev_s"] / r["hetsynth_s"],
+    "vs_ddp_cp": lambda r: r["ddp_cp_s"] / r["hetsynth_s"],
+    "vs_best_baseline": lambda r: min(r[f"{n}_s"] for n in BASELINES) / r["hetsynth_s"],
+    "prediction_error": lambda r: r["predicted_s"] / r["hetsynth_s"] - 1,
+}
+MEDIANS = ("hetsynth_s", "ddp_ev_s", "ddp_cp_s", "dp_ev_s", "dp_cp_s", "predicted_s", "predicted_dp_ev_s",
+           "predicted_dp_cp_s")
+
+
+def summary(results: list[dict]) -> dict:
+    """One model over the runs: each time's median, the baseline fastest by median, and each
+    ratio's median and range (over the runs' own ratios)."""
+    med = {k: statistics.median(r[k] for r in results) for k in MEDIANS}
+    best = min(BASELINES, key=lambda n: med[f"{n}_s"])
+    ratios = {name: [f(r) for r in results] for name, f in RATIOS.items()}
+    return med | {"best_baseline": BASELINES[best], "runs": len(results),
+                  "ratios": {name: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+                             for name, v in ratios.items()}}
+
+
+def _range(ratio: dict, fmt: str) -> str:
+    return f"{ratio['median']:{fmt}} ({ratio['min']:{fmt}} to {ratio['max']:{fmt}})"
+
+
 def row(model: str, r: dict) -> list[str]:
-    h = r["hetsynth_s"]
-    best = min(r[f"{n}_s"] for n in BASELINES)
-    return [model, f"{h:.3f}", *(f"{r[f'{n}_s']:.3f}" for n in BASELINES), f"{r['ddp_ev_s'] / h:.2f}x",
-            f"{r['ddp_cp_s'] / h:.2f}x", f"{best / h:.2f}x ({r['best_baseline']})", f"{r['predicted_s']:.3f}",
-            f"{r['predicted_s'] / h - 1:+.0%}"]
+    q = r["ratios"]
+    return [model, f"{r['hetsynth_s']:.3f}", *(f"{r[f'{n}_s']:.3f}" for n in BASELINES),
+            _range(q["vs_ddp_ev"], ".2f"), _range(q["vs_ddp_cp"], ".2f"),
+            f"{_range(q['vs_best_baseline'], '.2f')} ({r['best_baseline']})", f"{r['predicted_s']:.3f}",
+            _range(q["prediction_error"], "+.0%")]
+
+
+def one_run(models: list[str], spec: Path, rounds: int, steps: int) -> dict[str, dict]:
+    """Every model planned and measured once: model -> result()."""
+    results = {}
+    for model in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            made = plans(f"{model}:small-cpu", spec, Path(tmp))
+            times = measure(spec, made, Path(tmp), rounds, steps)
+        results[model] = r = result(times, made)
+        print(f"  {model}: hetsynth {r['hetsynth_s']:.3f} s, best baseline / hetsynth "
+              f"{RATIOS['vs_best_baseline'](r):.2f}x", flush=True)
+    return results
 
 
 def main() -> None:
@@ -120,22 +163,21 @@ def main() -> None:
     parser.add_argument("--reprofile", action="store_true")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3, help="independent runs (planning included)")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: give at least 1")
     measured_spec = profile(args.reprofile)
-    results, rows = {}, []
-    for model in args.models:
-        ref = f"{model}:small-cpu"
-        with tempfile.TemporaryDirectory() as tmp:
-            made = plans(ref, measured_spec, Path(tmp))
-            times = measure(measured_spec, made, Path(tmp), args.rounds, args.steps)
-        r = result(times, made)
-        results[model] = r
-        rows.append(row(model, r))
-        print(rows[-1], flush=True)
+    runs = []
+    for i in range(args.runs):
+        print(f"run {i + 1}/{args.runs}", flush=True)
+        runs.append(one_run(args.models, measured_spec, args.rounds, args.steps))
+    models = {m: summary([run[m] for run in runs]) for m in args.models}
     header = ["model (small-cpu)", "hetsynth s", "DDP-EV s", "DDP-CP s", "DP-EV s", "DP-CP s", "vs DDP-EV",
               "vs DDP-CP", "vs best baseline", "predicted s", "prediction error"]
-    print_tables(rows, header)
-    write_json("measured_speedup.json", {"models": results, "cluster": str(CLUSTER.relative_to(ROOT)),
+    print(f"medians of {args.runs} runs; ratios: median (min to max)")
+    print_tables([row(m, r) for m, r in models.items()], header)
+    write_json("measured_speedup.json", {"runs": runs, "models": models, "cluster": str(CLUSTER.relative_to(ROOT)),
                                          "measured_spec": str(MEASURED.relative_to(ROOT))})
 
 
