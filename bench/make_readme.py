@@ -364,15 +364,27 @@ def best_baseline(r: Json) -> tuple[str, float]:
     return name, r[MEASURED_BASELINES[name]]
 
 
+def ranged(ratio: Json, fmt: Callable[[Any], str]) -> str:
+    """'median (min-max)' of a {median, min, max} ratio."""
+    return f"{fmt(ratio['median'])} ({fmt(ratio['min'])} to {fmt(ratio['max'])})"
+
+
 def measured_speedup_section(d: Json) -> str:
     rows = []
     for model, r in d["models"].items():
         name, best = best_baseline(r)
         h = r["hetsynth_s"]
+        if "ratios" in r:  # medians of several runs, each ratio's range
+            q = r["ratios"]
+            ratios = [ranged(q["vs_ddp_ev"], x), ranged(q["vs_ddp_cp"], x),
+                      f"{ranged(q['vs_best_baseline'], x)} ({name})", num(r["predicted_s"]),
+                      ranged(q["prediction_error"], pct)]
+        else:
+            ratios = [x(r["ddp_ev_s"] / h), x(r["ddp_cp_s"] / h), f"{x(best / h)} ({name})", num(r.get("predicted_s")),
+                      pct((r["predicted_s"] - h) / h) if r.get("predicted_s") is not None else "-"]
         rows.append([model, num(h), num(r["ddp_ev_s"]), num(r["ddp_cp_s"]), num(r["dp_ev_s"]), num(r["dp_cp_s"]),
-                     x(r["ddp_ev_s"] / h), x(r["ddp_cp_s"] / h), f"{x(best / h)} ({name})",
-                     num(r.get("predicted_s")),
-                     pct((r["predicted_s"] - h) / h) if r.get("predicted_s") is not None else "-"])
+                     *ratios])
+    runs = len(d.get("runs", [])) or 1
     return "\n".join([
         f"`{d.get('cluster', 'configs/clusters/local-emulated.toml')}` emulated on one machine (root): two nodes in "
         "network namespaces with a 200 Mbit/s shaped link, two workers at 0.5 CPU and two at 0.25 CPU (cgroup "
@@ -383,7 +395,9 @@ def measured_speedup_section(d: Json) -> str:
         "model with the same rows (DDP-EV as users run it; DDP-CP with the loss weights that make uneven rows "
         "train the global batch, `runtime/ddp.py`) train on the same workers, interleaved (warm-up, then rounds "
         "of each, batches prefetched). Median seconds per step; speed-ups are baseline / hetsynth (above 1x: "
-        "hetsynth is faster); the prediction error is (predicted - measured) / measured.", "",
+        "hetsynth is faster); the prediction error is (predicted - measured) / measured. "
+        f"{runs_text(runs).capitalize()}, each planning and measuring anew"
+        f"{': the times are medians over the runs, each ratio its median (min to max)' if runs > 1 else ''}.", "",
         table(["model (small-cpu)", "hetsynth s", "DDP-EV s", "DDP-CP s", "DP-EV s", "DP-CP s", "vs DDP-EV",
                "vs DDP-CP", "vs best baseline", "predicted s", "prediction error"], rows)])
 
@@ -788,9 +802,11 @@ def headline_rows(results: Path = RESULTS) -> list[list[str]]:
     if speed:
         for model, r in list(speed["models"].items())[:6 - len(rows)]:
             name, best = best_baseline(r)
+            q = r.get("ratios", {}).get("vs_best_baseline")
             rows.append([f"Heterogeneous emulated cluster, {model} small-cpu: best data-parallel baseline "
-                         f"({name}) / hetsynth (step time)", x(best / r["hetsynth_s"]), "-", runs_text(1),
-                         "[measured-speedup](bench/README.md#measured-speedup)"])
+                         f"({name}) / hetsynth (step time)", x(q["median"] if q else best / r["hetsynth_s"]),
+                         f"{x(q['min'])}-{x(q['max'])}" if q and r.get("runs", 1) > 1 else "-",
+                         runs_text(r.get("runs", 1)), "[measured-speedup](bench/README.md#measured-speedup)"])
     return rows[:6]
 
 

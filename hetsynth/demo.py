@@ -139,6 +139,8 @@ def run_demo(args: argparse.Namespace) -> int:
               f"torch DDP-EV {measured['DDP-EV']['median_s']:.3f} s, DDP-CP {measured['DDP-CP']['median_s']:.3f} s")
         for name in ("DDP-EV", "DDP-CP", "DP-EV"):
             print(f"measured speed-up over {name}: {measured[name]['median_s'] / het:.2f}x")
+        print(f"(one run: medians of {args.rounds} interleaved rounds; runs differ, so the median and range of "
+              f"three independent runs are in bench/README.md, `python bench/measured_speedup.py`)")
         traced = measured["traced"]["median_s"]
         print(f"hetsynth traced (every instruction timed): median step {traced:.3f} s, {traced / het:.3f}x untraced")
         _section("parity with single-device training")

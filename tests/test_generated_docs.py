@@ -139,3 +139,22 @@ def test_write_json_records_meta(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert meta["date"].endswith("+00:00")
     assert set(meta["machine"]) == {"cpu", "logical_cores", "memory_gib", "gpu", "torch"}
     assert len(meta["commit"]["hash"]) == 40 or meta["commit"]["hash"] == "unknown"
+
+
+def test_speedups_of_several_runs_show_their_ranges(tmp_path: Path, readme_gen: ModuleType) -> None:
+    """measured_speedup.json of three runs: the table and the headline give each ratio's median
+    and range, and the run count."""
+    ratio = {"median": 1.5, "min": 1.4, "max": 1.7}
+    gpt = FAKE_SPEEDUP["models"]["gpt"] | {"runs": 3, "ratios": {
+        "vs_ddp_ev": ratio, "vs_ddp_cp": ratio, "vs_best_baseline": ratio,
+        "prediction_error": {"median": 0.1, "min": -0.05, "max": 0.2}}}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "measured_speedup.json").write_text(json.dumps(FAKE_SPEEDUP | {"runs": [{}, {}, {}],
+                                                                              "models": {"gpt": gpt}}))
+    text = readme_gen.render_readme(results)
+    assert ("| gpt | 0.500 | 1.000 | 0.800 | 0.900 | 0.750 | 1.50x (1.40x to 1.70x) | 1.50x (1.40x to 1.70x) | "
+            "1.50x (1.40x to 1.70x) (DP-CP) | 0.550 | +10.0% (-5.0% to +20.0%) |") in text
+    assert "3 runs, each planning and measuring anew" in text
+    (row,) = readme_gen.headline_rows(results)
+    assert row[1:4] == ["1.50x", "1.40x-1.70x", "3 runs"]
