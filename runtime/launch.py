@@ -447,16 +447,21 @@ def _train(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     (worker --twin), whose report and parameters go where `_train(..., dtype=twin)` puts them."""
     tag = dtype or "plan"
     (workdir / tag).mkdir()
-    report = opts.report if opts.report and dtype is None else str(workdir / tag / "report.json")
-    params_out = str(workdir / tag / "params.pt")
+    own_report, params_out = _outputs(workdir, tag)
+    report = opts.report if opts.report and dtype is None else own_report
     run_opts = opts if dtype is None else dataclasses.replace(opts, save=None, quiet=True,
                                                               memory_report=False)
     worker = worker_args(plan_path, run_opts, report, params_out if opts.check else None, dtype)
     if twin is not None:
         (workdir / twin).mkdir()
-        worker += ["--twin", twin, "--twin-report", str(workdir / twin / "report.json"),
-                   "--twin-params", str(workdir / twin / "params.pt")]
+        twin_report, twin_params = _outputs(workdir, twin)
+        worker += ["--twin", twin, "--twin-report", twin_report, "--twin-params", twin_params]
     return _launched(record, workdir / tag, plan.cluster, worker, opts.timeout_s, plan_path, digest), report, params_out
+
+
+def _outputs(workdir: Path, tag: str) -> tuple[str, str]:
+    """The report and the parameters file of the run tagged `tag` ("plan", or its twin's dtype)."""
+    return str(workdir / tag / "report.json"), str(workdir / tag / "params.pt")
 
 
 def twin_in_the_run(plan: Plan, opts: RunOptions) -> str | None:
@@ -491,7 +496,7 @@ def _check(plan: Plan, plan_path: str, opts: RunOptions, record: RunRecord, work
     results = [_compare(plan, opts, *first, plan.model.dtype)]
     if plan.model.dtype != "float64":
         if twin_done:
-            report, params = str(workdir / "float64" / "report.json"), str(workdir / "float64" / "params.pt")
+            report, params = _outputs(workdir, "float64")
         else:
             log.info("check: running the plan's float64 twin (same program, float64 tensors)")
             twin, report, params = _train(plan, plan_path, opts, record, workdir, "float64", digest)
