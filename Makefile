@@ -17,9 +17,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m hetsynth demo
 
-# the whole suite, multi-process tests included, after the lint
+# the whole suite, multi-process tests included, after the lint: first every test that may share
+# the machine, on WORKERS pytest-xdist workers, a module's tests on one worker (its module-scoped
+# fixtures, such as the documents' run, are computed once); much of a launch's time is spent
+# waiting on ranks held to their emulated devices' CPU quotas, so more workers than cores pay.
+# Then the tests marked serial (timings, machine-wide checks), one at a time.
+WORKERS ?= 3
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadscope -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # pure logic and single-process tests: those not marked slow (tests/conftest.py marks every test
 # that uses the spawned rank pools; modules that launch ranks mark themselves)

@@ -3,6 +3,7 @@ need real collectives; each is started on first use and closed at the end of the
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
@@ -31,6 +32,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "pools" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir_of_this_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, each worker's runs are recorded in a state directory of its own: every
+    hetsynth command removes what dead runs of its state directory left, and a test that kills
+    a launcher expects its own next command to be the one that cleans up."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or "HETSYNTH_STATE_DIR" in os.environ:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HETSYNTH_STATE_DIR", str(tmp_path_factory.mktemp("state") / "runs"))
+        yield
 
 
 @pytest.fixture(scope="session")

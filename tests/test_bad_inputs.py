@@ -224,6 +224,7 @@ def test_bad_input_is_an_error_message(argv: Callable[[Path, dict], list[str]], 
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # timed
 def test_hopeless_memory_fails_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """gpt:xl's training state (23 GiB) on the emulated cluster (16 GiB): refused before the
     search, in seconds (was 313 s)."""

@@ -19,6 +19,8 @@ from hetsynth.runtime.emulation import Emulation, assign_cpus, leftovers, shaper
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = load_cluster(ROOT / "configs" / "clusters" / "local-emulated.toml")
 NOTHING = {"namespaces": [], "cgroups": [], "veths": []}
+# timings and "nothing left anywhere" checks: these need the machine to themselves
+pytestmark = pytest.mark.serial
 needs_root = pytest.mark.skipif(unavailable() is not None, reason=f"cannot emulate: {unavailable()}")
 
 SERVER = """

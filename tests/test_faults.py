@@ -133,6 +133,7 @@ def _gone(kind: str, name: str) -> bool:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.serial  # any command on the machine may clean up the dead launcher's emulation first
 def test_killed_launcher_leaves_nothing_after_the_next_command(plans: dict[str, str]) -> None:
     proc = start("run", plans["two-level"], "--steps", "1000")
     try:

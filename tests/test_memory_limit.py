@@ -17,6 +17,8 @@ from hetsynth.runtime.launch import MEMORY_FILE, launch_in, recorded_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 128
+# timings and "nothing left anywhere" checks: these need the machine to themselves
+pytestmark = pytest.mark.serial
 needs_memory = pytest.mark.skipif(unavailable() is not None or not (CGROUP_MEMORY / "memory.limit_in_bytes").exists(),
                                   reason=f"cannot emulate device memory: {unavailable() or 'no cgroup v1 memory'}")
 
