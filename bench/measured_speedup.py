@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from common import RESULTS, ROOT, print_tables, write_json
+from make_readme import ranged  # the README's own form of a ratio's median and range
 
 sys.path.insert(0, str(ROOT))
 
@@ -132,16 +133,13 @@ def summary(results: list[dict]) -> dict:
                              for name, v in ratios.items()}}
 
 
-def _range(ratio: dict, fmt: str) -> str:
-    return f"{ratio['median']:{fmt}} ({ratio['min']:{fmt}} to {ratio['max']:{fmt}})"
-
-
 def row(model: str, r: dict) -> list[str]:
     q = r["ratios"]
+    x, pct = (lambda v: f"{v:.2f}"), (lambda v: f"{v:+.0%}")
     return [model, f"{r['hetsynth_s']:.3f}", *(f"{r[f'{n}_s']:.3f}" for n in BASELINES),
-            _range(q["vs_ddp_ev"], ".2f"), _range(q["vs_ddp_cp"], ".2f"),
-            f"{_range(q['vs_best_baseline'], '.2f')} ({r['best_baseline']})", f"{r['predicted_s']:.3f}",
-            _range(q["prediction_error"], "+.0%")]
+            ranged(q["vs_ddp_ev"], x), ranged(q["vs_ddp_cp"], x),
+            f"{ranged(q['vs_best_baseline'], x)} ({r['best_baseline']})", f"{r['predicted_s']:.3f}",
+            ranged(q["prediction_error"], pct)]
 
 
 def one_run(models: list[str], spec: Path, rounds: int, steps: int) -> dict[str, dict]:

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetsynth.runtime.names import STATUS_ENV, start_ticks
+from hetsynth.runtime.names import STATUS_ENV, start_ticks, stat_fields
 from hetsynth.runtime.runstate import write_replacing
 
 ENV = STATUS_ENV
@@ -119,12 +119,8 @@ def process_state(pid: int, start: int | None = None) -> str | None:
     """The kernel's state letter of a process (R, S, D, T stopped, ...); None when it is gone
     (a zombie: exited, not yet reaped; or its pid now names a process started at another
     time than `start`)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    if start is not None and int(fields[19]) != start:
+    fields = stat_fields(pid)
+    if fields is None or (start is not None and int(fields[19]) != start):
         return None
     return None if fields[0] in "ZX" else fields[0]
 

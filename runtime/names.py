@@ -13,11 +13,19 @@ PREFIX = "hse"  # network namespaces, veths and cgroups of an emulated cluster: 
 STATUS_ENV = "HETSYNTH_STATUS"  # a launched process's heartbeat file (runtime.heartbeat)
 
 
-def start_ticks(pid: int) -> int | None:
-    """When a process started (field 22 of /proc/<pid>/stat); None when it is gone. With the
-    pid it identifies a process across pid reuse."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat from the state on (field 3 of proc(5) is [0], the start
+    time, field 22, is [19]); None when the process is gone. The command name before them may
+    hold spaces and parentheses, so the split starts after its last ')'."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rfind(")") + 2:].split()[19])
+    return stat[stat.rfind(")") + 2:].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """When a process started (field 22 of /proc/<pid>/stat); None when it is gone. With the
+    pid it identifies a process across pid reuse."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19])

@@ -18,6 +18,7 @@ import pytest
 import hetsynth
 from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth.runtime.emulation import leftovers
+from hetsynth.runtime.names import stat_fields
 from hetsynth.runtime.runstate import state_dir
 
 # multi-process or seconds long: make test runs them, make test-fast does not
@@ -123,11 +124,8 @@ def _gone(kind: str, name: str) -> bool:
         return not Path(name).exists()
     if kind == "session":
         pid, start = name.split(":")
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return True
-        return stat[stat.rfind(")") + 2:].split()[19] != start or stat[stat.rfind(")") + 2] == "Z"
+        fields = stat_fields(int(pid))
+        return fields is None or fields[19] != start or fields[0] == "Z"
     found = leftovers()
     return name not in found["namespaces"] + found["veths"]
 
