@@ -26,7 +26,8 @@ records its workers' failures, and on node 0 keeps the rendezvous store up until
 agents have left) in its own process session, and its output is streamed. Every rank keeps a
 status file with a heartbeat (runtime.heartbeat); the launcher watches them and the agents:
 when a rank fails, dies, or stops beating for the timeout, the agents get SETTLE_S to stop by
-themselves, then everything is killed and one rank is named with its own error message, or
+themselves (up to SETTLE_MAX_S while a rank's process is gone that no agent has recorded yet),
+then everything is killed and one rank is named with its own error message, or
 as stopped / killed by a signal. A stuck rank ends the run within the collective timeout
 (every process group has it) plus a few seconds, however torchrun handles the stopped process.
 What a run creates (work directory, agent sessions, the emulated cluster) is recorded first
@@ -188,6 +189,7 @@ BASE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVE
 LOOPBACK = "127.0.0.1"  # where the store of a run on this machine listens
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}  # and its process groups' sockets
 SETTLE_S = 2.0      # after a failure is found, how long the agents get to stop by themselves
+SETTLE_MAX_S = 10.0  # ... and how long, at most, while a rank's process is gone and no agent has recorded it
 WATCHDOG_S = 2.0    # a rank without a heartbeat for timeout + this is stopped by the launcher
 POLL_S = 0.1
 MEMORY_FILE = "memory.json"  # in the work directory: the emulated ranks' memory groups (module docstring)
@@ -323,7 +325,7 @@ def supervise(record: RunRecord, agents: list[subprocess.Popen], workdir: Path, 
     threads = [threading.Thread(target=_echo, args=(a,), daemon=True) for a in agents]
     for t in threads:
         t.start()
-    found_at = _wait(record, agents, workdir / "status", timeout_s)
+    found_at = _wait(record, agents, workdir, timeout_s)
     failure = None
     if found_at is not None:
         signals = _signals(workdir)
@@ -339,13 +341,14 @@ def supervise(record: RunRecord, agents: list[subprocess.Popen], workdir: Path, 
     return (0, None) if found_at is None else (next((c for c in codes if c and c > 0), 1), failure)
 
 
-def _wait(record: RunRecord, agents: list[subprocess.Popen], status: Path, timeout_s: float) -> float | None:
+def _wait(record: RunRecord, agents: list[subprocess.Popen], workdir: Path, timeout_s: float) -> float | None:
     """Wait until every agent succeeded (None) or something went wrong (the time it was
-    found, after SETTLE_S for the agents to stop)."""
+    found, after SETTLE_S for the agents to stop, longer while `_unrecorded`, up to
+    SETTLE_MAX_S)."""
     found_at, seen = None, set()
     while True:
         codes = [a.poll() for a in agents]
-        now, statuses = time.time(), heartbeat.read_status(status)
+        now, statuses = time.time(), heartbeat.read_status(workdir / "status")
         for s in statuses.values():
             if _session(s) not in seen:
                 seen.add(_session(s))
@@ -354,7 +357,8 @@ def _wait(record: RunRecord, agents: list[subprocess.Popen], status: Path, timeo
             return None
         if found_at is None and _trouble(codes, statuses, now, timeout_s):
             found_at = now
-        if found_at is not None and (all(c is not None for c in codes) or now - found_at >= SETTLE_S):
+        if found_at is not None and (all(c is not None for c in codes) or now - found_at >= SETTLE_MAX_S
+                                     or (now - found_at >= SETTLE_S and not _unrecorded(statuses, workdir))):
             return found_at
         if len(agents) > 1 and all(c == 0 for c in codes[1:]) and agents[0].stdin and not agents[0].stdin.closed:
             agents[0].stdin.close()  # node 0's agent may now let the rendezvous store go (runtime.agent)
@@ -366,6 +370,17 @@ def _trouble(codes: list[int | None], statuses: dict[int, heartbeat.RankStatus],
         return True
     gone = any(s.state == "running" and heartbeat.process_state(s.pid, s.start) is None for s in statuses.values())
     return gone or bool(heartbeat.stalled(statuses, now, timeout_s + WATCHDOG_S))
+
+
+def _unrecorded(statuses: dict[int, heartbeat.RankStatus], workdir: Path) -> list[int]:
+    """Ranks whose process went away while `running` that no agent's failure record names yet.
+    Until its agent records the signal, a killed rank cannot be named as killed (heartbeat.died)
+    and its peers' closed connections would be named instead; on a loaded machine its agent
+    may take longer than SETTLE_S to see it go (measured: a pipeline rank's SIGKILL, 3 xdist
+    workers on 2 cores)."""
+    recorded = {int(rank) for path in workdir.glob("failures*.json") for rank in json.loads(path.read_text())}
+    return [s.rank for s in statuses.values()
+            if s.state == "running" and s.rank not in recorded and heartbeat.process_state(s.pid, s.start) is None]
 
 
 def _signals(workdir: Path) -> dict[int, str]:

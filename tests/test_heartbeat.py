@@ -62,3 +62,17 @@ def test_heartbeat_file_beats_then_records_the_error(tmp_path: Path) -> None:
     beat.finish("failed", "ValueError: bad")
     got = read_status(tmp_path)[3]
     assert (got.state, got.error, got.pid) == ("failed", "ValueError: bad", os.getpid())
+
+
+def test_a_gone_rank_waits_for_its_agents_record(tmp_path: Path) -> None:
+    """The launcher keeps waiting (runtime.launch._unrecorded) while a rank's process went
+    away while running and no agent's failure record names it: without the record it could
+    not be named as killed, and a peer's closed connection would be named instead."""
+    from hetsynth.runtime.launch import _unrecorded
+
+    now = time.time()
+    statuses = {0: status(0, "running", now, pid=_dead_pid()), 1: status(1, "failed", now, error="closed"),
+                2: status(2, "running", now)}
+    assert _unrecorded(statuses, tmp_path) == [0]
+    (tmp_path / "failures0.json").write_text('{"0": {"exitcode": -9, "signal": "SIGKILL"}}')
+    assert _unrecorded(statuses, tmp_path) == []
