@@ -68,15 +68,12 @@ def repeated_runs(plan: Path, runs: int, steps: int) -> list[dict]:
 
 
 def rank_pid(plan: Path, rank: int) -> int:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hetsynth.runtime.worker" in cmd and str(plan).encode() in cmd and f"RANK={rank}".encode() in env:
-            return int(pid)
-    raise RuntimeError(f"no worker of rank {rank} for {plan}")
+    from hetsynth.runtime.heartbeat import run_ranks
+
+    ranks = run_ranks(str(plan))
+    if rank not in ranks:
+        raise RuntimeError(f"no worker of rank {rank} for {plan}")
+    return ranks[rank].pid
 
 
 def fault_run(plan: Path, how: str, timeout_s: int = 10) -> dict:
@@ -125,7 +122,7 @@ def killed_launcher(plan: Path) -> dict:
 
 def exists(kind: str, name: str) -> bool:
     from hetsynth.runtime.emulation import leftovers
-    from hetsynth.runtime.heartbeat import process_state
+    from hetsynth.runtime.names import process_state
 
     if kind == "session":  # a zombie (killed, its parent not yet told) is gone
         pid, start = name.split(":")

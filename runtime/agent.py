@@ -29,25 +29,14 @@ It is torchrun (`torch.distributed.run.run`, in this process), with these differ
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
-import signal
 import sys
 
 from hetsynth.runtime.quick_exit import freeze_at_exit
 from hetsynth.instruction_set.files import write_atomic
-
-PR_SET_PDEATHSIG = 1
-AGENT_ENV = "HETSYNTH_AGENT_PID"   # the workers' parent, for their own PR_SET_PDEATHSIG (runtime.rank)
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent exits (and at once if it already has)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
+from hetsynth.runtime.parent import AGENT_ENV, die_with_parent
 
 
 def bind_store(args: argparse.Namespace):

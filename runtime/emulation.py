@@ -419,7 +419,10 @@ class CommEngine:
 
     def __init__(self, group: Path, interval_s: float = 0.05) -> None:
         self.group, self.interval_s = group, interval_s
-        self.main = threading.main_thread().native_id
+        # the main thread's id is the pid (Linux); threading.main_thread().native_id still names the
+        # parent's main thread in a forked process (Python 3.11), whose own main thread would then
+        # be moved out of its device's quota
+        self.main = os.getpid()
         self.moved: set[int] = set()
         self.cpus = set(range(os.cpu_count() or 1))
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetsynth.runtime.names import STATUS_ENV, start_ticks, stat_fields
+from hetsynth.runtime.names import STATUS_ENV, process_state, start_ticks
 from hetsynth.runtime.runstate import write_replacing
 
 ENV = STATUS_ENV
@@ -115,16 +115,6 @@ def read_status(directory: str | Path) -> dict[int, RankStatus]:
     return out
 
 
-def process_state(pid: int, start: int | None = None) -> str | None:
-    """The kernel's state letter of a process (R, S, D, T stopped, ...); None when it is gone
-    (a zombie: exited, not yet reaped; or its pid now names a process started at another
-    time than `start`)."""
-    fields = stat_fields(pid)
-    if fields is None or (start is not None and int(fields[19]) != start):
-        return None
-    return None if fields[0] in "ZX" else fields[0]
-
-
 STATE_WORDS = {"T": "stopped, e.g. by SIGSTOP", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}
 
 
@@ -145,6 +135,23 @@ def stalled(statuses: dict[int, RankStatus], now: float, stale_s: float) -> list
             out.append(Diagnosis(s.rank, "stalled", f"stopped making progress: no heartbeat for "
                                                     f"{now - s.beat:.1f} s (its process is {what})"))
     return out
+
+
+def run_ranks(needle: str) -> dict[int, RankStatus]:
+    """The rank statuses of the run whose launched processes (agents, ranks) have `needle` (a
+    plan's path, say) in their command line, found through the status directory in their
+    environment: the pid of rank N of a run, for a test or a benchmark that stops or kills it.
+    Empty when no such run is found."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found = [e[len(ENV) + 1:] for e in env if e.startswith(f"{ENV}=".encode())]
+        if needle.encode() in cmd and found:
+            return read_status(found[0].decode())
+    return {}
 
 
 def missing(statuses: dict[int, RankStatus], world_size: int, now: float, stale_s: float) -> list[Diagnosis]:

@@ -77,6 +77,7 @@ from hetsynth.runtime.pipeline.run import check_pipeline_args
 from hetsynth.runtime.plan_handoff import PATH_ENV, PLAN_ENV, validated_digest
 from hetsynth.runtime.runstate import RunRecord
 from hetsynth.runtime.memory_report import format_cgroup_peaks
+from hetsynth.runtime.names import process_state
 from hetsynth.runtime.mixed_precision import reference_dtype
 from hetsynth.runtime.train import plan_reference
 
@@ -368,7 +369,7 @@ def _wait(record: RunRecord, agents: list[subprocess.Popen], workdir: Path, time
 def _trouble(codes: list[int | None], statuses: dict[int, heartbeat.RankStatus], now: float, timeout_s: float) -> bool:
     if any(c not in (None, 0) for c in codes) or any(s.state == "failed" for s in statuses.values()):
         return True
-    gone = any(s.state == "running" and heartbeat.process_state(s.pid, s.start) is None for s in statuses.values())
+    gone = any(s.state == "running" and process_state(s.pid, s.start) is None for s in statuses.values())
     return gone or bool(heartbeat.stalled(statuses, now, timeout_s + WATCHDOG_S))
 
 
@@ -378,27 +379,29 @@ def _unrecorded(statuses: dict[int, heartbeat.RankStatus], workdir: Path) -> lis
     and its peers' closed connections would be named instead; on a loaded machine its agent
     may take longer than SETTLE_S to see it go (measured: a pipeline rank's SIGKILL, 3 xdist
     workers on 2 cores)."""
-    recorded = {int(rank) for path in workdir.glob("failures*.json") for rank in json.loads(path.read_text())}
+    recorded = _failure_records(workdir)
     return [s.rank for s in statuses.values()
-            if s.state == "running" and s.rank not in recorded and heartbeat.process_state(s.pid, s.start) is None]
+            if s.state == "running" and s.rank not in recorded and process_state(s.pid, s.start) is None]
+
+
+def _failure_records(workdir: Path) -> dict[int, dict]:
+    """rank -> the record its agent wrote when the worker failed (runtime.agent: exitcode,
+    signal), from every node's failures<node>.json, ranks in order."""
+    records = {int(rank): fail for path in workdir.glob("failures*.json")
+               for rank, fail in json.loads(path.read_text()).items()}
+    return dict(sorted(records.items()))
 
 
 def _signals(workdir: Path) -> dict[int, str]:
     """rank -> signal name of the workers the agents saw end by a signal."""
-    out = {}
-    for path in workdir.glob("failures*.json"):
-        for rank, fail in json.loads(path.read_text()).items():
-            if fail["signal"]:
-                out[int(rank)] = fail["signal"]
-    return out
+    return {rank: fail["signal"] for rank, fail in _failure_records(workdir).items() if fail["signal"]}
 
 
 def _agent_failure(agents: list[subprocess.Popen], workdir: Path) -> Failure:
     """When no rank can be named from the status files (a rank failed before it started its
     heartbeat): the agents' own records."""
-    for path in sorted(workdir.glob("failures*.json")):
-        for rank, fail in sorted(json.loads(path.read_text()).items(), key=lambda kv: int(kv[0])):
-            return Failure(int(rank), f"exit code {fail['exitcode']} before it started (see its output above)")
+    for rank, fail in _failure_records(workdir).items():
+        return Failure(rank, f"exit code {fail['exitcode']} before it started (see its output above)")
     codes = [a.poll() for a in agents]
     return Failure(None, f"an agent exited with status {next((c for c in codes if c), None)}")
 

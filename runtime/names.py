@@ -29,3 +29,13 @@ def start_ticks(pid: int) -> int | None:
     pid it identifies a process across pid reuse."""
     fields = stat_fields(pid)
     return None if fields is None else int(fields[19])
+
+
+def process_state(pid: int, start: int | None = None) -> str | None:
+    """The kernel's state letter of a process (R, S, D, T stopped, ...); None when it is gone
+    (a zombie: exited, not yet reaped; or its pid now names a process started at another
+    time than `start`)."""
+    fields = stat_fields(pid)
+    if fields is None or (start is not None and int(fields[19]) != start):
+        return None
+    return None if fields[0] in "ZX" else fields[0]

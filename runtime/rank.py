@@ -16,20 +16,18 @@ the timeout.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import os
-import signal
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from hetsynth.runtime.agent import AGENT_ENV, PR_SET_PDEATHSIG
 from hetsynth.runtime.emulation import join_device, leave_device
 from hetsynth.runtime.heartbeat import Heartbeat
 from hetsynth.runtime.logs import configure_rank_logging
+from hetsynth.runtime.parent import die_with_agent
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +66,3 @@ def run_rank(body: Callable[[int, torch.device], None], *, timeout_s: float,
         beat.finish("failed", message)
         log.error("failed: %s", message, exc_info=bool(os.environ.get("HETSYNTH_DEBUG")))
         return 1
-
-
-def die_with_agent() -> None:
-    """SIGKILL this rank when its agent (AGENT_ENV) exits, and at once if it already has."""
-    agent = os.environ.get(AGENT_ENV)
-    if not agent:
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != int(agent):
-        os.kill(os.getpid(), signal.SIGKILL)

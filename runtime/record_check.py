@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hetsynth.runtime.names import CGROUP_CPU, PREFIX, STATUS_ENV, start_ticks, stat_fields
+from hetsynth.runtime.names import CGROUP_CPU, PREFIX, STATUS_ENV, process_state, start_ticks
 
 TEMPDIR_NAME = re.compile(r"hetsynth-[a-z]+(-[a-z]+)*-[0-9a-f]{8}")
 
@@ -113,8 +113,7 @@ def _exiting(pid: int, start: int, wait_s: float = 2.0) -> bool:
     (they die with it, by PR_SET_PDEATHSIG) and must not take them for someone else's."""
     deadline = time.monotonic() + wait_s
     while True:
-        fields = stat_fields(pid)
-        if fields is None or int(fields[19]) != start or fields[0] in ("Z", "X"):
+        if process_state(pid, start) is None:
             return True
         if time.monotonic() >= deadline:
             return False

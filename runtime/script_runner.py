@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import TextIO
 
 from hetsynth.runtime.quick_exit import freeze_at_exit
-from hetsynth.runtime.agent import AGENT_ENV, die_with_parent
+from hetsynth.runtime.parent import die_with_agent
 from hetsynth.runtime.emulation import join_device, leave_device
 from hetsynth.runtime.heartbeat import Heartbeat
 from hetsynth.runtime.logs import configure_rank_logging
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or not os.path.isfile(argv[0]):
         print(f"{USAGE}\nerror: script {argv[0] if argv else None!r} is not a file", file=sys.stderr)
         return 2
-    if os.environ.get(AGENT_ENV):
-        die_with_parent(int(os.environ[AGENT_ENV]))
+    die_with_agent()
     rank = int(os.environ.get("RANK", "0"))
     configure_rank_logging(rank)  # before the streams are wrapped: its lines carry the rank already
     beat = Heartbeat(rank).start()

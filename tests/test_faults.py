@@ -17,6 +17,7 @@ import pytest
 
 import hetsynth
 from hetsynth.instruction_set.cluster import load_cluster
+from hetsynth.runtime import heartbeat
 from hetsynth.runtime.emulation import leftovers
 from hetsynth.runtime.names import stat_fields
 from hetsynth.runtime.runstate import state_dir
@@ -58,15 +59,9 @@ def wait_for(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> str:
 
 def rank_pid(plan: str, rank: int) -> int:
     """The pid of the worker process of `rank` training `plan`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hetsynth.runtime.worker" in cmd and plan.encode() in cmd and f"RANK={rank}".encode() in env:
-            return int(pid)
-    raise AssertionError(f"no worker of rank {rank} for {plan}")
+    ranks = heartbeat.run_ranks(plan)
+    assert rank in ranks, f"no worker of rank {rank} for {plan}: {ranks}"
+    return ranks[rank].pid
 
 
 @pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ import pytest
 
 import hetsynth
 from hetsynth.instruction_set.cluster import load_cluster
-from hetsynth.runtime import heartbeat, runstate
+from hetsynth.runtime import heartbeat, names, runstate
 from hetsynth.runtime.emulation import CGROUP_CPU
 from hetsynth.runtime.plan_handoff import PLAN_ENV, PlanChanged, load_rank_plan, plan_digest, validated_digest
 
@@ -274,12 +274,13 @@ def test_local_run_listens_on_loopback_and_dies_with_its_launcher(local_plan: st
         addresses = [a for pid in processes for a in _listening(pid)]
         assert addresses and all(_loopback(a) for a in addresses), addresses
         assert list(tmp_root.glob("hetsynth-run-*/plan/torchelastic0/*")) and not list(tmp_root.glob("torchelastic_*"))
-        os.kill(next(pid for pid, e in processes.items() if e.get("RANK") == "1"), signal.SIGSTOP)
+        ranks = heartbeat.read_status(next(iter(processes.values()))[heartbeat.ENV])
+        os.kill(ranks[1].pid, signal.SIGSTOP)
         proc.kill()
         killed = time.monotonic()
-        while any(heartbeat.process_state(pid) is not None for pid in processes) and time.monotonic() - killed < 20:
+        while any(names.process_state(pid) is not None for pid in processes) and time.monotonic() - killed < 20:
             time.sleep(0.1)
-        assert time.monotonic() - killed < 5, [heartbeat.process_state(pid) for pid in processes]
+        assert time.monotonic() - killed < 5, [names.process_state(pid) for pid in processes]
     finally:
         proc.kill()
         proc.wait()
