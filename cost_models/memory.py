@@ -10,8 +10,8 @@
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
 al., ZeRO, SC'20, count 16 bytes per parameter for mixed-precision Adam; we keep the model's
 dtype, float32, for all four copies: under a 16-bit precision policy they are the master weights,
-and the activations count at their 16-bit width, cost_models.precision). The saved tensors are autograd's own, probed at capture
-(planner.saved_tensors: each storage once, parameters excluded); a saved input or output
+and the activations count at the widths autocast gives them, cost_models.precision). The saved tensors are autograd's own, probed at capture
+(cost_models.saved_tensors: each storage once, parameters excluded); a saved input or output
 scales with the layout the op's rule gives it, a buffer of the op's own (a mask, a
 logsumexp) with the rule's share. A graph captured without the probe falls back to the
 outputs of non-view ops through which a gradient flows (an upper bound).

@@ -9,25 +9,34 @@ views of its problem:
 
   so the sharding-ratio LP, whose work terms are flops / throughput_i, gives each device
   its share by its 16-bit rate (an A100 : T4 split follows 312 : 65, not 19.5 : 8.1);
-- the graph with every floating-point activation (the output of a call node, and what an op
-  saves of it for backward) in the policy's activation dtype, the widest compute dtype of the
-  kinds (16-bit where every kind computes in 16 bits): activation memory, the bytes an op
-  moves, and the collectives on activations and their gradients count 2 bytes an element.
-  Parameters, the graph's inputs and buffers keep their dtype: the master weights, their
-  gradients (reduced in float32: the gradient all-reduce moves 4 bytes an element) and the
-  optimizer state are float32, so the training state is 16 bytes a parameter as before.
+- the graph as a rank computes it under autocast (where every kind computes in one 16-bit
+  type): the graph runs once more on fake tensors under torch.autocast of that type
+  (cost_models.saved_tensors.probe), and each op's outputs and saved tensors take the dtypes
+  autocast gives them: matmuls and convolutions compute in 16 bits and save 16-bit copies
+  of their inputs (a weight's copy is 2 bytes a parameter beside its float32 master, alive
+  until the backward that uses it), ops autocast keeps in float32 (softmax, norms, losses)
+  output and save float32, the rest follow their inputs. Activation memory, the bytes an op
+  moves and the collectives on activations count those widths. Parameters, the graph's
+  inputs and buffers keep their dtype: the master weights, their gradients (reduced in
+  float32: the gradient all-reduce moves 4 bytes an element) and the optimizer state are
+  float32, so the training state is 16 bytes a parameter as before. Where the kinds compute
+  in different types (activations travel in float32 between them), or an op cannot run on
+  fake tensors, every floating-point activation counts at the policy's activation dtype.
 
-The 16-bit copy of a weight that autocast makes at each use (2 bytes a parameter, freed after
-the backward that saved it) is not counted: it adds at most an eighth to the training state.
 Measured op times (profiling.op_profile) scale with the compute dtype's rate like the roofline.
 The policy float32 everywhere leaves both views unchanged (the same objects).
 """
 
 from __future__ import annotations
 
+import logging
+
 from hetsynth.instruction_set.cluster import ClusterSpec, DeviceKind
 from hetsynth.instruction_set.graph import DTYPE_BYTES, Node, ReferenceGraph, SavedTensor, TensorMeta
 from hetsynth.instruction_set.mixed_precision import PrecisionPolicy
+from hetsynth.cost_models.saved_tensors import probe
+
+log = logging.getLogger(__name__)
 
 _TORCH_NAMES = {"float32": "float32", "tf32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                 "float8": "float8_e4m3fn"}
@@ -86,13 +95,57 @@ def _source(node: Node, saved: SavedTensor, graph: ReferenceGraph) -> TensorMeta
 
 
 def costed_graph(graph: ReferenceGraph, policy: PrecisionPolicy) -> ReferenceGraph:
-    """The graph with its floating-point activations in the policy's activation dtype."""
+    """The graph as a rank computes it under `policy`: where every kind computes in one 16-bit
+    type, with each op's output dtypes and saved tensors as a fake run under autocast of that
+    type finds them (cost_models.saved_tensors.probe); else (float32 activations between kinds
+    of different types, or an op fake tensors cannot run) every floating-point activation in
+    the policy's activation dtype."""
     if not policy.is_mixed:
         return graph
     dtype = _TORCH_NAMES[policy.activation_dtype.value]
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"activations in {policy.activation_dtype.value}: no byte width known for {dtype}")
+    if dtype != "float32" and all(n.saved is not None for n in graph.calls):
+        found = _probed_once(graph, dtype)
+        if found is not None:
+            return found
     return graph.model_copy(update={"nodes": tuple(_node(n, graph, dtype) for n in graph.nodes)})
+
+
+_PROBED: list[tuple[ReferenceGraph, str, ReferenceGraph | None]] = []  # the last few, newest last
+
+
+def _probed_once(graph: ReferenceGraph, dtype: str) -> ReferenceGraph | None:
+    """_probed, once per graph object and dtype among the last four: planning costs the same
+    graph several times (the search, the evaluation of its plan, the memory checks)."""
+    for seen, seen_dtype, found in _PROBED:
+        if seen is graph and seen_dtype == dtype:
+            return found
+    found = _probed(graph, dtype)
+    _PROBED[:] = [*_PROBED[-3:], (graph, dtype, found)]
+    return found
+
+
+def _probed(graph: ReferenceGraph, dtype: str) -> ReferenceGraph | None:
+    """The graph with the outputs' dtypes and the saved tensors of a fake run under autocast of
+    `dtype`; None when an op cannot run on fake tensors under autocast."""
+    import torch
+
+    try:
+        found = probe(graph, autocast=getattr(torch, dtype))
+    except Exception as err:  # any op's fake kernel may raise anything; the uniform rewrite still holds
+        log.warning("could not probe the graph under autocast of %s (%s: %s); every activation is "
+                    "counted in %s", dtype, type(err).__name__, err, dtype)
+        return None
+    nodes = []
+    for n in graph.nodes:
+        if n.op == "call":
+            dtypes = found.dtypes[n.name]
+            outputs = n.outputs if len(dtypes) != len(n.outputs) else tuple(
+                _meta(m, d) if d.startswith(("float", "bfloat")) else m for m, d in zip(n.outputs, dtypes))
+            n = n.model_copy(update={"outputs": outputs, "saved": found.saved[n.name]})
+        nodes.append(n)
+    return graph.model_copy(update={"nodes": tuple(nodes)})
 
 
 def costed(graph: ReferenceGraph, cluster: ClusterSpec, policy: PrecisionPolicy) -> tuple[ReferenceGraph, ClusterSpec]:

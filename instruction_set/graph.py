@@ -55,7 +55,7 @@ class TensorMeta(BaseModel):
 
 
 class SavedTensor(BaseModel):
-    """A tensor an op saves for its backward pass (planner.saved_tensors): one of its inputs or
+    """A tensor an op saves for its backward pass (cost_models.saved_tensors): one of its inputs or
     outputs (by index), or a buffer of its own (`internal`: a mask, a softmax's logsumexp)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

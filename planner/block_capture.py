@@ -16,7 +16,7 @@ parameters, then later its ops). G_2 and G_3 must have the same outer runs and s
 Assembly of G_N. Node (sweep s, block j, position p) is a copy of G_3's node (s, t, p), with
 t = 0 for the first block, 2 for the last and 1 for every other: its FLOPs, shapes, arguments
 and source line as traced; references to block t + d become block j + d, to outer nodes stay;
-fqn and module path say `<list>.<j>`, and what it saves for backward (planner.saved_tensors)
+fqn and module path say `<list>.<j>`, and what it saves for backward (cost_models.saved_tensors)
 is the template's. Outer nodes are G_3's, their references to the first and last block kept
 there. Names follow torch.fx's counters: a call node is `base` or `base_i`, and the counter
 of a role is affine in (j, k), i = a + b*j + c*k (every naming pass visits the blocks in order

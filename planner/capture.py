@@ -50,7 +50,7 @@ from hetsynth.instruction_set.rules import is_supported
 from hetsynth.instruction_set.rules.moe import flop_formulas
 from hetsynth.planner.block_capture import NotReplicable, by_blocks, repeated_list, truncated
 from hetsynth.planner.lower import Lowered, LoweringError, lower, place
-from hetsynth.planner.saved_tensors import with_saved
+from hetsynth.cost_models.saved_tensors import with_saved
 
 META = torch.device("meta")
 log = logging.getLogger(__name__)

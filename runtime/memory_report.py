@@ -12,7 +12,7 @@ every rank:
   a saved tensor's storage is added when first packed and subtracted when autograd frees its
   last saved reference (views share storage: counted once); parameters (and views of them) are
   state, not activations, and are not counted. This is what the memory model predicts
-  (cost_models.memory, probed the same way at capture by planner.saved_tensors);
+  (cost_models.memory, probed the same way at capture by cost_models.saved_tensors);
 - on a GPU also the allocator's peak over the step (`torch.cuda.max_memory_allocated`), which
   includes workspaces and temporaries the model does not predict (information).
 

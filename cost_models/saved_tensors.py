@@ -16,7 +16,9 @@ tensor), or `internal` (with the rule's share): cost_models.memory.activation_me
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,12 +62,17 @@ class _Recorder:
 
 
 def _saved(t: torch.Tensor, key: StorageWeakRef, inputs: list[Any], outputs: list[torch.Tensor]) -> SavedTensor:
-    """What `t` (with storage `key`) is to the op that saved it."""
+    """What `t` (with storage `key`) is to the op that saved it: one of its inputs or outputs;
+    under autocast also the copy autocast made of an input in another dtype (same shape), which
+    scales as that input does; else an internal buffer."""
     nbytes = t.untyped_storage().nbytes()
     for kind, values in (("input", inputs), ("output", outputs)):
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor) and _storage(v) == key:
                 return SavedTensor(source=kind, index=i, nbytes=nbytes)
+    for i, v in enumerate(inputs):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != t.dtype and v.shape == t.shape:
+            return SavedTensor(source="input", index=i, nbytes=nbytes)
     return SavedTensor(source="internal", nbytes=nbytes)
 
 
@@ -79,8 +86,21 @@ def _leaf(node: Node, mode: FakeTensorMode) -> torch.Tensor:
     return t.requires_grad_(node.op == "param" and meta.is_float)
 
 
-def probe_saved(graph: ReferenceGraph) -> dict[str, tuple[SavedTensor, ...]]:
-    """Node name -> the tensors it saves for backward (parameters excluded, each storage once)."""
+@dataclass(frozen=True)
+class Probe:
+    """What one fake run of a graph found: per call node the tensors it saves for backward
+    and the dtypes of its tensor outputs."""
+
+    saved: dict[str, tuple[SavedTensor, ...]]
+    dtypes: dict[str, tuple[str, ...]]
+
+
+def probe(graph: ReferenceGraph, autocast: torch.dtype | None = None) -> Probe:
+    """Run the graph on FakeTensors (module docstring), under torch.autocast of `autocast` on
+    the CPU when given: then matmuls and convolutions run in that type and save 16-bit copies
+    of their inputs (parameters included: the copy is not the parameter), ops autocast keeps in
+    float32 (softmax, norms, losses) run and save in float32, the rest in their inputs' type,
+    as a rank of a plan with that precision policy computes (runtime.mixed_precision)."""
     mode, rec = FakeTensorMode(allow_non_fake_inputs=True), _Recorder()
     env: dict[str, Any] = {}
     for node in graph.nodes:
@@ -88,13 +108,21 @@ def probe_saved(graph: ReferenceGraph) -> dict[str, tuple[SavedTensor, ...]]:
             env[node.name] = _leaf(node, mode)
             if node.op == "param":
                 rec.seen.add(_storage(env[node.name]))
-    out: dict[str, tuple[SavedTensor, ...]] = {}
-    with mode, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+    saved: dict[str, tuple[SavedTensor, ...]] = {}
+    dtypes: dict[str, tuple[str, ...]] = {}
+    amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext())
+    with mode, amp, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         for node in graph.calls:
             env[node.name] = call_node(node, env, CPU)
             inputs, outputs = [env[name] for name in node.inputs], _tensors(env[node.name])
-            out[node.name] = tuple(_saved(t, key, inputs, outputs) for t, key in rec.take())
-    return out
+            saved[node.name] = tuple(_saved(t, key, inputs, outputs) for t, key in rec.take())
+            dtypes[node.name] = tuple(str(t.dtype).removeprefix("torch.") for t in outputs)
+    return Probe(saved, dtypes)
+
+
+def probe_saved(graph: ReferenceGraph) -> dict[str, tuple[SavedTensor, ...]]:
+    """Node name -> the tensors it saves for backward (parameters excluded, each storage once)."""
+    return probe(graph).saved
 
 
 def with_saved(graph: ReferenceGraph) -> ReferenceGraph:
