@@ -240,6 +240,7 @@ def _call(node: fx.Node, replay: _Replay) -> Node:
         call = RUN_AS.get(target, node.target)  # a view as the runtime runs it: meta strides differ
         out, fwd, bwd = replay.run(call, args, kwargs, _cache_key(target, args, kwargs, replay))
     except Exception:  # op without a meta kernel: fall back to export's shapes, no FLOPs
+        _check_not_a_number(node.meta.get("val"), target, where)
         out, fwd, bwd = _from_export_meta(node.meta.get("val")), 0.0, 0.0
         replay.unreplayed.add(node.name)
     replay.env[node.name] = out
@@ -251,6 +252,16 @@ def _call(node: fx.Node, replay: _Replay) -> Node:
         multi_output=isinstance(out, (tuple, list)), flops_fwd=fwd, flops_bwd=bwd,
         module_path=where[0], source=where[1],
     )
+
+
+def _check_not_a_number(val: Any, target: str, where: tuple[str, str]) -> None:
+    """A CaptureError for an op that turns a tensor into a Python number (`.item()`,
+    `.tolist()`: export records a symbol for it): what follows depends on the batch's values."""
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+        raise CaptureError(f"{target} at {where[0] or 'the top level'} ({where[1]}) turns a tensor into a Python "
+                           f"number ({val}): the shapes after it depend on the batch's values, and a plan needs "
+                           "shapes the batch's shape fixes; keep such values in tensors (for mixture-of-experts "
+                           "routing: per-expert masks, or torch's grouped matmul, instead of per-expert sizes)")
 
 
 def _from_export_meta(val: Any) -> Any:

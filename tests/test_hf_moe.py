@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetsynth import plan
+from hetsynth import capture_model, plan
 from hetsynth.zoo.hf import LossOnly
 from hetsynth.instruction_set.graph import Node, TensorMeta
 from hetsynth.instruction_set.interpret import graph_inputs, run_graph
@@ -217,3 +217,29 @@ def test_routed_experts_match_transformers_with_the_router_loss() -> None:
 
 def _spec_module(spec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return spec.build(), spec.example_inputs("cpu")
+
+
+def test_a_number_taken_out_of_a_tensor_is_a_capture_error() -> None:
+    """JetMoE's experts split the tokens by per-expert sizes taken out with `.tolist()`: the
+    shapes after it depend on the batch's values; capture says so, naming the op and the
+    line, instead of failing on the symbol export recorded."""
+    from hetsynth.planner.capture import CaptureError
+
+    with pytest.raises(CaptureError, match=r"aten._local_scalar_dense.default at .*experts.*tolist\(\)\) turns a "
+                                           r"tensor into a Python number"):
+        capture_model("hf:jetmoe")
+
+
+def test_a_model_transformers_cannot_build_is_a_model_ref_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' own code failing on the config it made (DbrxAttentionConfig without
+    rope_theta, transformers 5.25) is an error naming the model type and the version, not a
+    traceback."""
+    from hetsynth.instruction_set.models import ModelRefError, parse_model_ref
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'LlamaConfig' object has no attribute 'rope_theta'")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", broken)
+    with pytest.raises(ModelRefError, match=rf"hf:llama: transformers {transformers.__version__} cannot build this "
+                                            r"model from its config \(AttributeError: .*rope_theta"):
+        parse_model_ref("hf:llama").build("meta")

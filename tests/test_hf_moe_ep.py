@@ -61,11 +61,14 @@ def test_planner_chooses_uneven_expert_parallelism() -> None:
     assert sum(lengths) == 8 and min(lengths[:2]) > max(lengths[2:]), lengths
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
-def test_deepseek_families_plan_and_train_exactly(pools, family: str) -> None:
-    """DeepSeek-V2 (complex rotary: polar, view_as_complex, view_as_real) and DeepSeek-V3
-    (slice assignment: aten.copy) capture with no flags, and a 4-rank plan with uneven ratios
-    matches single-device training in float64."""
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe",
+                                    "granitemoeshared"])
+def test_moe_families_plan_and_train_exactly(pools, family: str) -> None:
+    """MoE families beside Mixtral, Qwen2-MoE and OLMoE: DeepSeek-V2 (complex rotary: polar,
+    view_as_complex, view_as_real), DeepSeek-V3 (slice assignment: aten.copy), GLM-4-MoE and
+    Hunyuan (shared and routed experts), ERNIE-4.5-MoE, Granite-MoE-shared (its own parallel
+    experts) capture with no flags, and a 4-rank plan with uneven ratios matches
+    single-device training in float64."""
     graph = capture_model(f"hf:{family}")
     assert not graph.fallback_ops
     plan = make_plan(graph, load_cluster(CLUSTER), ratios=[0.4, 0.3, 0.2, 0.1], progress=False,

@@ -39,7 +39,9 @@ Needs the optional `transformers` package (the dev extra).
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from dataclasses import field
+from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import torch
@@ -279,9 +281,18 @@ def build(cfg: HFAutoConfig) -> nn.Module:
     t = _transformers()
     auto = getattr(t, _AUTO[cfg.task])
     try:
-        model = auto.from_config(_hf_config(cfg), attn_implementation="sdpa")
-    except (ValueError, ImportError):  # architectures without an sdpa path
-        model = auto.from_config(_hf_config(cfg), attn_implementation="eager")
+        try:
+            model = auto.from_config(_hf_config(cfg), attn_implementation="sdpa")
+        except (ValueError, ImportError):  # architectures without an sdpa path
+            model = auto.from_config(_hf_config(cfg), attn_implementation="eager")
+    except (AttributeError, KeyError, IndexError, AssertionError, NotImplementedError) as err:
+        # transformers' own code failing on the config it made (for example DbrxAttentionConfig
+        # without rope_theta in transformers 5.25): not the user's to fix by another size
+        frames = traceback.extract_tb(err.__traceback__)
+        where = next((f for f in reversed(frames) if Path(f.filename).name.startswith("modeling_")), frames[-1])
+        raise ModelRefError(f"hf:{cfg.model_type}: transformers {t.__version__} cannot build this model from its "
+                            f"config ({type(err).__name__}: {err}, in {Path(where.filename).name}:{where.lineno}); "
+                            f"another model_type, or another transformers version, may") from None
     return LossOnly(model, _input_names(cfg.task))
 
 
