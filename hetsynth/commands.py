@@ -153,7 +153,7 @@ def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) 
 
 
 def pipeline_summary(plan: "Plan") -> str:
-    from hetsynth.planner.pipeline import stage_memory
+    from hetsynth.planner.stage_dp import stage_memory
 
     p = plan.pipeline
     stages = "; ".join(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]}, calls {s.calls[0]}-{s.calls[1] - 1}"

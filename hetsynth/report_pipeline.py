@@ -1,7 +1,7 @@
 """The pipeline part of `hetsynth report` for a plan of shape pipeline: the stages (sub-mesh,
 device kinds, the graph calls and modules each computes, ratios, predicted forward and
 backward per micro-batch, memory of the fullest device with the schedule's micro-batches in
-flight: planner.pipeline.stage_memory), the boundaries and their resharding, the schedule
+flight: planner.stage_dp.stage_memory), the boundaries and their resharding, the schedule
 with every schedule's predicted step, and the recorded predicted timeline
 (instruction_set.pipeline.PipelinePrediction.timeline) drawn as one row per stage and one per
 stage's sends; and that timeline as a Chrome trace (`hetsynth trace` on a pipeline plan): a
@@ -37,7 +37,7 @@ def _mean(events: list[PredictedEvent], stage: int, kind: str) -> str:
 
 
 def _stage_rows(plan: Plan, pipeline: Pipeline) -> list[list[str]]:
-    from hetsynth.planner.pipeline import stage_memory
+    from hetsynth.planner.stage_dp import stage_memory
 
     events, devices, rows = list(pipeline.predicted.timeline), plan.cluster.devices, []
     for s, (peak, cap, n) in zip(pipeline.stages, stage_memory(plan)):

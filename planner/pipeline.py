@@ -40,6 +40,7 @@ from hetsynth.planner.microbatch import MeasureAt, micro_batch_sizes, micro_grap
 from hetsynth.planner.planner import _evaluate, finalize, make_plan, model_info, shard_table, without_fusion
 from hetsynth.planner import stage_times
 from hetsynth.planner.resharding import plan_reshard
+from hetsynth.planner.stage_dp import stage_memory
 
 log = logging.getLogger(__name__)
 
@@ -351,23 +352,6 @@ def _fits(plan: Plan) -> bool:
 
 def _rank(plan: Plan) -> tuple[bool, float]:
     return not _fits(plan), plan.pipeline.predicted.step_time_s
-
-
-def stage_memory(plan: Plan) -> list[tuple[float, float, int]]:
-    """Per stage: (peak GiB, capacity GiB, micro-batches in flight) of its fullest device under
-    the plan's schedule: the stage plan's memory at the largest micro-batch plus the
-    saved-for-backward bytes of the other micro-batches in flight (planner.stage_dp.in_flight)."""
-    from hetsynth.planner.stage_dp import in_flight
-
-    p = plan.pipeline
-    out = []
-    for st in p.stages:
-        n = in_flight(p.schedule, len(p.stages), st.index, len(p.micro_batches))
-        devs = st.plans[max(st.plans)].predicted.devices
-        peak = [(d.memory_gib + (n - 1) * (d.saved_gib or 0.0), d.memory_capacity_gib) for d in devs]
-        worst = max(peak, key=lambda x: x[0] / x[1])
-        out.append((worst[0], worst[1], n))
-    return out
 
 
 def _choose_shape(spmd: Plan, best: Plan) -> Plan:

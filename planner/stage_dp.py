@@ -38,7 +38,7 @@ import numpy as np
 
 from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.graph import ReferenceGraph
-from hetsynth.instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES
+from hetsynth.instruction_set.plan import PLANNED_OPTIMIZER, STATE_COPIES, Plan
 from hetsynth.instruction_set.schedule import Schedule
 
 INF = float("inf")
@@ -248,3 +248,18 @@ def choose_stages(graph: ReferenceGraph, cluster: ClusterSpec, starts: Sequence[
         if all(c.stages != o.stages for o in out):
             out.append(c)
     return out[:top_k]
+
+
+def stage_memory(plan: Plan) -> list[tuple[float, float, int]]:
+    """Per stage: (peak GiB, capacity GiB, micro-batches in flight) of its fullest device under
+    the plan's schedule: the stage plan's memory at the largest micro-batch plus the
+    saved-for-backward bytes of the other micro-batches in flight (planner.stage_dp.in_flight)."""
+    p = plan.pipeline
+    out = []
+    for st in p.stages:
+        n = in_flight(p.schedule, len(p.stages), st.index, len(p.micro_batches))
+        devs = st.plans[max(st.plans)].predicted.devices
+        peak = [(d.memory_gib + (n - 1) * (d.saved_gib or 0.0), d.memory_capacity_gib) for d in devs]
+        worst = max(peak, key=lambda x: x[0] / x[1])
+        out.append((worst[0], worst[1], n))
+    return out

@@ -176,3 +176,27 @@ def test_plan_tries_stages_when_no_spmd_plan_fits(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: no plan fits in memory: the best plan found needs" in err and "No pipeline fits either" in err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_no_stage_program_at_every_micro_batch_size_is_an_error(tmp_path, capsys, monkeypatch):
+    """A stage whose program synthesized at one micro-batch size cannot run at another (here
+    forced: planner.pipeline.program_at refuses every other size) leaves no pipeline at the
+    asked micro-batch count: `hetsynth plan --stages 2 --micro-batches 3` of a batch of 8 (sizes
+    3, 3, 2) says which stage, the sizes, why each try failed and what to do; exit 2, nothing
+    written."""
+    from hetsynth.cli import main
+    from hetsynth.planner import pipeline
+
+    def refuse(graph, cluster, plan):
+        raise ValueError("no rule shards dim 0 of size 2")
+
+    monkeypatch.setattr(pipeline, "program_at", refuse)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt:tiny,batch_size=8", "--cluster", _tiny_memory_cluster(tmp_path / "c.json", 4),
+                 "--stages", "2", "--micro-batches", "3", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: stage of calls [" in err and "no program runs at every micro-batch size [2, 3]" in err, err
+    assert ("the program synthesized at 3 samples: no rule shards dim 0 of size 2; the program synthesized at 2 "
+            "samples: no rule shards dim 0 of size 2") in err, err
+    assert "choose a micro-batch count that divides the batch" in err and not out.exists()
