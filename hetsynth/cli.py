@@ -42,7 +42,7 @@ def show_progress() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from hetsynth.runtime.emulation import EmulationError
-    from hetsynth.runtime.launch import RunFailed
+    from hetsynth.runtime.run_errors import RunFailed
     from hetsynth.runtime.quick_exit import freeze_at_exit
 
     freeze_at_exit()

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetsynth import capture_model, plan_cache
-from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
+from hetsynth import plan_cache  # not hetsynth.api or hetsynth.report: a cached plan is printed without torch
+from hetsynth.instruction_set.files import write_atomic
 from hetsynth.runtime.config import add_train_arguments, train_config
 from hetsynth.runtime.outputs import check_outputs, model_file
 
@@ -33,8 +33,10 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def inspect_run(args: argparse.Namespace) -> int:
+    from hetsynth import capture_model
     from hetsynth.instruction_set.cluster import load_cluster
     from hetsynth.planner.capture import summarize
+    from hetsynth.report import cluster_summary, cluster_summary_text, graph_summary_text
 
     if not args.model and not args.cluster:
         raise ValueError("inspect needs --model REF and/or --cluster FILE")
@@ -180,9 +182,6 @@ def _parse_ratios(text: str | None) -> list[float] | None:
 
 
 def plan_run(args: argparse.Namespace) -> int:
-    import hetsynth
-    from hetsynth.report import instruction_mix, plan_summary_text
-
     check_outputs({"-o": args.output},  # before the synthesis it would throw away
                   inputs={"--cluster": args.cluster, "--model": model_file(args.model)})
     if args.stages is not None and args.zero not in ("auto", "0"):
@@ -190,10 +189,27 @@ def plan_run(args: argparse.Namespace) -> int:
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")
     started = time.perf_counter()
     key = plan_cache.cli_key(args)
-    cached = plan_cache.lookup(key) if key is not None else None
+    cached = plan_cache.lookup(key, parse=False) if key is not None else None
+    if cached is not None and cached.summary is not None and not args.json:
+        write_atomic(args.output, cached.text)  # what save_plan wrote when it was planned
+        print(cached.summary)
+        print(f"(cached plan from {cached.created}; --no-cache plans again)")
+        print(f"\nwrote {args.output}")
+        return 0
     if cached is not None:
+        cached = plan_cache.lookup(key)
+    return _plan_and_print(args, key, cached, started)
+
+
+def _plan_and_print(args: argparse.Namespace, key: "plan_cache.CacheKey | None", cached: "plan_cache.Cached | None",
+                    started: float) -> int:
+    import hetsynth
+    from hetsynth.report import instruction_mix
+
+    if cached is not None and cached.plan is not None:
         plan, stages = cached.plan, None
     else:
+        cached = None
         plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                              num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                              allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
@@ -203,7 +219,7 @@ def plan_run(args: argparse.Namespace) -> int:
         stages = _stages_to_try(plan, args)
         plan = _pipeline(plan, args, stages)
         if key is not None:
-            plan_cache.store(key, plan, plan_cache.model_files(args.model))
+            plan_cache.store(key, plan, plan_cache.model_files(args.model), summary=_plan_summary(plan, stages))
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
@@ -212,17 +228,25 @@ def plan_run(args: argparse.Namespace) -> int:
                      "precision": plan.precision_policy().model_dump(mode="json"),
                      "synthesis": plan.synthesis.model_dump(), "cached": cached.created if cached else None})
     else:
-        print(plan_summary_text(plan))
-        if plan.pipeline is not None:
-            print("\n" + pipeline_summary(plan))
-        elif stages == "auto":
-            print("\npipeline: no stage choice of 2..8 stages fits the memory estimate; SPMD plan kept")
+        print(_plan_summary(plan, stages))
         if stages is not None:
             print(f"planning time (SPMD and pipeline): {time.perf_counter() - started:.1f} s")
         if cached is not None:
             print(f"(cached plan from {cached.created}; --no-cache plans again)")
         print(f"\nwrote {args.output}")
     return 0
+
+
+def _plan_summary(plan: "Plan", stages: str | None) -> str:
+    """What `hetsynth plan` prints of a plan (the plan cache keeps it: a hit prints it again)."""
+    from hetsynth.report import plan_summary_text
+
+    lines = [plan_summary_text(plan)]
+    if plan.pipeline is not None:
+        lines.append("\n" + pipeline_summary(plan))
+    elif stages == "auto":
+        lines.append("\npipeline: no stage choice of 2..8 stages fits the memory estimate; SPMD plan kept")
+    return "\n".join(lines)
 
 
 def run_args(p: argparse.ArgumentParser) -> None:

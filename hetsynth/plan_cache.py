@@ -58,12 +58,12 @@ from typing import Any, Mapping
 
 from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.graph import ReferenceGraph
-from hetsynth.instruction_set.plan import Plan, plan_from_json
+from hetsynth.instruction_set.plan import Plan, plan_from_json, plan_text
 from hetsynth.runtime.runstate import _untrusted, read_own, write_replacing
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the plan file's text and its hash, and the printed summary
 PACKAGES = ("instruction_set", "cost_models", "planner", "profiling", "hetsynth")
 
 
@@ -84,8 +84,15 @@ class CacheKey:
 
 @dataclass(frozen=True)
 class Cached:
-    plan: Plan
+    """An entry: the plan file's text as save_plan writes it, when it was made, what `hetsynth
+    plan` printed for it (None for a plan the API cached), and the plan itself unless the
+    lookup was asked not to parse it (`parse=False`: a command that only copies the file and
+    prints the summary, without the 0.3 s of validating a large plan)."""
+
+    text: str
     created: str  # UTC, ISO 8601 to the second
+    summary: str | None = None
+    plan: Plan | None = None
 
 
 def cache_dir() -> Path:
@@ -185,9 +192,10 @@ def model_files(ref: str) -> dict[str, str]:
     return {str(f): _sha_file(f) for f in sorted(files) if f.suffix == ".py" and f.is_file()}
 
 
-def lookup(key: CacheKey) -> Cached | None:
+def lookup(key: CacheKey, parse: bool = True) -> Cached | None:
     """The entry of `key`; None when there is none, its model files changed, or it cannot be
-    read (a warning says why)."""
+    read or its plan text is not the one stored (a warning says why). `parse`: also read the
+    plan (a plan that does not read is a corrupt entry too)."""
     directory = _usable_dir()
     if directory is None:
         return None
@@ -203,9 +211,12 @@ def lookup(key: CacheKey) -> Cached | None:
         entry = json.loads(text)
         if entry.get("format") != FORMAT or entry.get("key") != json.loads(json.dumps(key.material)):
             raise ValueError("its key does not match its name")
+        if hashlib.sha256(entry["plan_file"].encode()).hexdigest() != entry["plan_sha256"]:
+            raise ValueError("its plan is not the one stored")
         if not _files_unchanged(entry["model_files"]):
             return None
-        return Cached(plan_from_json(entry["plan"], str(path)), str(entry["created"]))
+        plan = plan_from_json(json.loads(entry["plan_file"]), str(path)) if parse else None
+        return Cached(entry["plan_file"], str(entry["created"]), entry.get("summary"), plan)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         log.warning("plan cache entry %s is corrupt (%s); planning again", path, str(err).splitlines()[0][:200])
         return None
@@ -218,10 +229,14 @@ def _files_unchanged(files: Mapping[str, str]) -> bool:
         return False
 
 
-def store(key: CacheKey, plan: Plan, files: Mapping[str, str] | None = None) -> None:
-    """Write the entry of `key` whole; a failure to write is a warning, the plan stands."""
+def store(key: CacheKey, plan: Plan, files: Mapping[str, str] | None = None, summary: str | None = None) -> None:
+    """Write the entry of `key` whole (the plan as the text save_plan writes, with its hash,
+    and `summary`, what `hetsynth plan` printed); a failure to write is a warning, the plan
+    stands."""
+    plan_file = plan_text(plan)
     entry = {"format": FORMAT, "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-             "key": key.material, "model_files": dict(files or {}), "plan": plan.model_dump(mode="json")}
+             "key": key.material, "model_files": dict(files or {}), "plan_file": plan_file,
+             "plan_sha256": hashlib.sha256(plan_file.encode()).hexdigest(), "summary": summary}
     directory = _usable_dir()
     if directory is None:
         return

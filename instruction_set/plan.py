@@ -217,9 +217,14 @@ Pipeline.model_rebuild(_types_namespace={"Plan": Plan})
 Plan.model_rebuild()
 
 
+def plan_text(plan: Plan) -> str:
+    """The text of `plan`'s file."""
+    return plan.model_dump_json(indent=1)
+
+
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write `plan` as JSON, whole or not at all (instruction_set.files: WriteError on failure)."""
-    write_atomic(path, plan.model_dump_json(indent=1))
+    write_atomic(path, plan_text(plan))
 
 
 def plan_from_json(raw: Any, source: str = "<plan>") -> Plan:

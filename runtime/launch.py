@@ -76,6 +76,7 @@ from hetsynth.runtime.outputs import check_outputs
 from hetsynth.runtime.pipeline.run import check_pipeline_args
 from hetsynth.runtime.plan_handoff import PATH_ENV, PLAN_ENV, validated_digest
 from hetsynth.runtime.runstate import RunRecord
+from hetsynth.runtime.run_errors import RunFailed
 from hetsynth.runtime.memory_report import format_cgroup_peaks
 from hetsynth.runtime.names import process_state
 from hetsynth.runtime.mixed_precision import reference_dtype
@@ -171,10 +172,6 @@ def node_commands(cluster: ClusterSpec, worker: list[str], env: dict[str, str] |
                    f"{torchrun}--nnodes {n} --node-rank {i} --nproc-per-node {len(node.devices)} "
                    f"--master-addr <address of node {first} on that network> --master-port 29500 {args}")
     return "\n\n".join(out)
-
-
-class RunFailed(RuntimeError):
-    """A launched run failed; the message names the rank and carries its own error."""
 
 
 @dataclass
