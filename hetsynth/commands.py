@@ -197,7 +197,7 @@ def plan_run(args: argparse.Namespace) -> int:
         print(f"\nwrote {args.output}")
         return 0
     if cached is not None:
-        cached = plan_cache.lookup(key)
+        cached = plan_cache.with_plan(cached)  # --json, or an entry the API stored: the plan itself is needed
     return _plan_and_print(args, key, cached, started)
 
 

@@ -51,7 +51,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -91,6 +91,7 @@ class Cached:
 
     text: str
     created: str  # UTC, ISO 8601 to the second
+    source: str  # the entry's path, for messages
     summary: str | None = None
     plan: Plan | None = None
 
@@ -215,11 +216,28 @@ def lookup(key: CacheKey, parse: bool = True) -> Cached | None:
             raise ValueError("its plan is not the one stored")
         if not _files_unchanged(entry["model_files"]):
             return None
-        plan = plan_from_json(json.loads(entry["plan_file"]), str(path)) if parse else None
-        return Cached(entry["plan_file"], str(entry["created"]), entry.get("summary"), plan)
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-        log.warning("plan cache entry %s is corrupt (%s); planning again", path, str(err).splitlines()[0][:200])
+        cached = Cached(entry["plan_file"], str(entry["created"]), str(path), entry.get("summary"))
+    except _CORRUPT as err:
+        _warn_corrupt(str(path), err)
         return None
+    return with_plan(cached) if parse else cached
+
+
+_CORRUPT = (ValueError, KeyError, TypeError, AttributeError, RecursionError)  # what a damaged entry raises
+
+
+def with_plan(cached: Cached) -> Cached | None:
+    """`cached` with its plan read from its text; None, with a warning, when the plan does not
+    read (a corrupt entry)."""
+    try:
+        return replace(cached, plan=plan_from_json(json.loads(cached.text), cached.source))
+    except _CORRUPT as err:
+        _warn_corrupt(cached.source, err)
+        return None
+
+
+def _warn_corrupt(source: str, err: BaseException) -> None:
+    log.warning("plan cache entry %s is corrupt (%s); planning again", source, str(err).splitlines()[0][:200])
 
 
 def _files_unchanged(files: Mapping[str, str]) -> bool:
@@ -264,4 +282,4 @@ def cli_key(args: Any) -> CacheKey | None:
 
 
 __all__ = ["CLI_OPTIONS", "CacheKey", "Cached", "PlanCacheError", "cache_dir", "checked_cache_dir", "cli_key",
-           "code_version", "graph_key", "lookup", "model_files", "ref_key", "store"]
+           "code_version", "graph_key", "lookup", "model_files", "ref_key", "store", "with_plan"]
