@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetsynth.instruction_set.models import ModelSpec
 from hetsynth.runtime.config import TrainConfig
-from hetsynth.runtime.train import StepLog, make_optimizer
+from hetsynth.runtime.train import StepLog, build_on_host, make_optimizer
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
@@ -90,7 +90,7 @@ def ddp_setup(spec: ModelSpec, rows: Sequence[int], config: TrainConfig, *, grou
     if len(rows) != dist.get_world_size(group):
         raise DDPSetupError(f"rows {list(rows)} name {len(rows)} ranks; the group has {dist.get_world_size(group)}")
     torch.manual_seed(config.seed)
-    model = spec.build("cpu").to(device)
+    model = build_on_host(spec, device)
     ddp = DistributedDataParallel(model, process_group=group)
     optimizer = make_optimizer(list(ddp.parameters()), config)
     return DDPTrainer(ddp, optimizer, spec, rows, weighted, config, group, rank, torch.device(device))

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hetsynth.instruction_set.models import ModelSpec
 from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.emulation import host_memory
 from hetsynth.runtime.ddp import DDPSetupError, DDPTrainer
 from hetsynth.runtime.train import make_optimizer
 
@@ -83,7 +84,9 @@ def fsdp_setup(spec: ModelSpec, rows: Sequence[int], config: TrainConfig, *, gro
         raise DDPSetupError(f"rows {list(rows)} name {len(rows)} ranks; the group has {world}")
     mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(config.seed)
-    model = shard_units(spec.build("cpu"), mesh, checkpoint=checkpoint)
+    with host_memory():  # the whole model on the host; fully_shard copies each rank's shards
+        model = spec.build("cpu")
+    model = shard_units(model, mesh, checkpoint=checkpoint)
     optimizer = make_optimizer(list(model.parameters()), config)
     return DDPTrainer(model, optimizer, spec, rows, weighted, config, group, rank, torch.device("cpu"))
 

@@ -34,6 +34,7 @@ from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.precision import with_float_dtype
 from hetsynth.runtime.codegen import RankProgram
 from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.emulation import host_memory
 from hetsynth.runtime.grad_sync import BucketTiming, GradientSync
 from hetsynth.runtime.groups import Groups
 from hetsynth.runtime.input_rows import layout_rows
@@ -127,10 +128,24 @@ def initial_state(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], 
     """full_state and the names of the parameters among its entries (from the same module:
     a user's factory is not run again, on the meta device, to learn them)."""
     torch.manual_seed(seed)
-    module = spec.build("cpu")
+    with host_memory():  # built whole on the host; each rank places its part (runtime.emulation)
+        module = spec.build("cpu")
     params = dict(module.named_parameters(remove_duplicate=False))
     state = params | dict(module.named_buffers(remove_duplicate=False))
     return {k: v.detach() for k, v in state.items()}, set(params)
+
+
+def build_on_host(spec: ModelSpec, device: torch.device | str) -> torch.nn.Module:
+    """The whole model built on the host (runtime.emulation.host_memory) and placed on `device`:
+    a copy of every parameter and buffer, as `.to("cuda")` makes, also on the CPU (where
+    `.to("cpu")` would return the host's tensors themselves) so the device holds its own."""
+    with host_memory():
+        module = spec.build("cpu")
+    placed = module.to(device)
+    if torch.device(device).type == "cpu":
+        for t in (*placed.parameters(), *placed.buffers()):
+            t.data = t.data.clone()
+    return placed
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:

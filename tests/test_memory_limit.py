@@ -34,6 +34,21 @@ def body(rank, device):
 sys.exit(run_rank(body, timeout_s=30, device=torch.device("cpu")))
 """
 
+HOST_BUILD = """
+import sys, torch
+from hetsynth.runtime.emulation import host_memory
+from hetsynth.runtime.rank import run_rank
+
+def body(rank, device):
+    with host_memory():  # the whole model, built on the host
+        whole = torch.ones(int(sys.argv[1]) * 2**20 // 4)
+    part = whole[: int(sys.argv[2]) * 2**20 // 4].clone()  # the rank's part, placed on its device
+    del whole
+    assert float(part.sum()) == part.numel()
+
+sys.exit(run_rank(body, timeout_s=30, device=torch.device("cpu")))
+"""
+
 
 def small_cluster():
     """Two devices on one emulated node, LIMIT_MIB each (memory_gib 1 scaled by LIMIT_MIB / 1024)."""
@@ -44,9 +59,9 @@ def small_cluster():
     return cluster_from_dict(raw)
 
 
-def run_allocating(tmp_path: Path, mib: tuple[int, int]) -> tuple[int, object, dict]:
+def run_allocating(tmp_path: Path, mib: tuple[int, int], source: str = ALLOCATE) -> tuple[int, object, dict]:
     script = tmp_path / "allocate.py"
-    script.write_text(ALLOCATE)
+    script.write_text(source)
     before = leftovers()
     with recorded_run() as (record, workdir):
         rc, failure = launch_in(record, workdir, small_cluster(), [str(script), *map(str, mib)], timeout_s=30,
@@ -83,3 +98,15 @@ def test_measured_peak_is_read_back(tmp_path: Path) -> None:
     assert 64 * 2**20 <= usage[1]["peak_bytes"] <= LIMIT_MIB * 2**20
     assert 16 * 2**20 <= usage[0]["peak_bytes"] < usage[1]["peak_bytes"]
     assert all(u["limit_bytes"] == LIMIT_MIB * 2**20 and u["oom_kills"] == 0 for u in usage.values())
+
+
+@needs_memory
+@pytest.mark.slow
+def test_what_is_built_on_the_host_is_not_the_devices(tmp_path: Path) -> None:
+    """A model built whole past the device's limit under host_memory, then its part placed:
+    no rank is killed, and each device's peak is its part, not the whole."""
+    rc, failure, usage = run_allocating(tmp_path, (3 * LIMIT_MIB, 16), HOST_BUILD)
+    assert rc == 0, failure
+    for u in usage.values():
+        assert 16 * 2**20 <= u["peak_bytes"] < 48 * 2**20, u
+        assert u["oom_kills"] == 0
