@@ -23,7 +23,7 @@ runtime.memory_report checks them against a run).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from hetsynth.cost_models.compute import FREE_OPS
 from hetsynth.instruction_set.graph import Node, SavedTensor
@@ -67,23 +67,53 @@ def zero_memory(nbytes: float, n: int, stage: int) -> MemoryTerm:
     return MemoryTerm((whole * nbytes,) * n, ((OPTIMIZER_COPIES - whole) * nbytes,) * n, "state")
 
 
-def _split(saved: SavedTensor, inputs: Sequence[Layout], output: Layout) -> bool:
-    """Whether a saved tensor is split under the rule (module docstring)."""
+ShareOf = Callable[[str, Layout], Sequence[float]]  # a tensor's fraction on each device in a layout
+
+
+def _split_layout(saved: SavedTensor, inputs: Sequence[Layout], output: Layout) -> Layout | bool:
+    """The layout a saved input or output is held in when split; for a buffer of the op's own
+    (`internal`), True when the rule splits anything (it scales with the rule's share); False:
+    held whole."""
     if saved.source == "input" and saved.index < len(inputs):
-        return inputs[saved.index].is_shard
+        return inputs[saved.index] if inputs[saved.index].is_shard else False
     if saved.source == "output":
-        return output.is_shard
+        return output if output.is_shard else False
     return any(l.is_shard for l in (output, *inputs))
 
 
-def activation_memory(node: Node, inputs: Sequence[Layout], output: Layout, n: int) -> MemoryTerm:
+def _saved_name(node: Node, saved: SavedTensor) -> str:
+    return node.inputs[saved.index] if saved.source == "input" and saved.index < len(node.inputs) else node.name
+
+
+def activation_memory(node: Node, inputs: Sequence[Layout], output: Layout, n: int,
+                      rule_shares: Sequence[float] | None = None, share_of: ShareOf | None = None) -> MemoryTerm:
     """Bytes node saves for backward under a rule reading `inputs` and making `output`:
-    fixed + per_share * s_i."""
+    fixed_i + per_share_i * s_i, s_i the rule's share where the term is evaluated.
+
+    A split saved tensor t held in layout L_t has nbytes_t * sigma_t,i on device i, sigma_t its
+    share in L_t, which need not be the rule's (a linear reading its input S0|R, rows split over
+    the nodes, and writing S0|S2, also columns split inside them, saves the input at twice its
+    output's share). Given the rule's shares s and `share_of`,
+        per_share_i = sum_t nbytes_t * sigma_t,i / s_i      (s_i > 0; the ratio of two shares of one
+                                                             op stays put as the ratio LP moves s)
+        fixed_i    += sum_t nbytes_t * sigma_t,i            (s_i = 0: a device without the op's rows)
+    Without them every split tensor scales with s (sigma_t = s)."""
     if node.saved is None:
         return _unprobed_memory(node, any(l.is_shard for l in (output, *inputs)), n)
-    fixed = sum(float(t.nbytes) for t in node.saved if not _split(t, inputs, output))
-    split = sum(float(t.nbytes) for t in node.saved if _split(t, inputs, output))
-    return MemoryTerm((fixed,) * n, (split,) * n)
+    fixed, per_share = [0.0] * n, [0.0] * n
+    for t in node.saved:
+        layout = _split_layout(t, inputs, output)
+        if layout is False:
+            fixed = [f + t.nbytes for f in fixed]
+        elif layout is True or share_of is None or rule_shares is None:
+            per_share = [p + t.nbytes for p in per_share]
+        else:
+            for i, (sigma, s) in enumerate(zip(share_of(_saved_name(node, t), layout), rule_shares)):
+                if s > 0:
+                    per_share[i] += t.nbytes * sigma / s
+                else:
+                    fixed[i] += t.nbytes * sigma
+    return MemoryTerm(tuple(fixed), tuple(per_share))
 
 
 def _unprobed_memory(node: Node, sharded: bool, n: int) -> MemoryTerm:

@@ -60,7 +60,7 @@ def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -
     rule = pb.rules[node.name][ri]
     shares = Shares(pb.rule_shares(node, rule), share_kind((rule.output, *rule.inputs)))
     return Term.leaf(pb.compute_linear(node, ri), shares, Category.COMPUTE,
-                     activation_memory(node, rule.inputs, rule.output, pb.width))
+                     activation_memory(node, rule.inputs, rule.output, pb.width, shares.values, pb.shares))
 
 
 @TERMS.implements("param")

@@ -192,7 +192,8 @@ def _fused_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> 
     rule_out = ins.layout if ins.kind == "ag_matmul" else ins.src
     shares = Shares(pb.shares(ins.tensor, rule_out) if rule_out.is_shard else (1.0,) * pb.width,
                     share_kind((rule_out, *ins.inputs)))
-    return Term(Series(fused_cost(pb, ins)), activation_memory(node, ins.inputs, rule_out, pb.width), shares)
+    return Term(Series(fused_cost(pb, ins)),
+                activation_memory(node, ins.inputs, rule_out, pb.width, shares.values, pb.shares), shares)
 
 
 def options(pb: Problem, program: Sequence[Instruction], pair: Pair) -> dict[str, float]:

@@ -303,7 +303,7 @@ class Problem:
         shares = self.rule_shares(node, rule)
         seconds = self.compute_linear(node, rule_index).at(shares)
         if self.memory_weight:
-            memory = activation_memory(node, rule.inputs, rule.output, self.width)
+            memory = activation_memory(node, rule.inputs, rule.output, self.width, shares, self.shares)
             seconds += self.memory_weight * max(memory.per_device(shares))
         return seconds
 

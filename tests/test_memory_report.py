@@ -85,3 +85,23 @@ def test_probe_equals_autograd_on_one_device() -> None:
     with meter.measuring():
         run_graph(graph, graph_inputs(graph, model, tuple(spec.make_batch(range(spec.batch_size), seed=1)))).backward()
     assert probed == meter.peak > 0 and meter.bytes == 0
+
+
+def test_a_saved_tensor_scales_with_its_own_layout() -> None:
+    """A linear reading its input rows split (S0) and writing columns split too saves the input at
+    the input's share, not the op's: per_share_i = bytes * sigma_i / s_i, and a device with no
+    share of the op (s_i = 0) holds bytes * sigma_i as fixed."""
+    from hetsynth.cost_models.memory import activation_memory
+    from hetsynth.instruction_set.layouts import R, S
+
+    graph = capture_model("gpt:tiny")
+    node = next(n for n in graph.calls if n.target == "aten.linear.default" and n.saved)
+    (saved,) = [t for t in node.saved if t.source == "input"]
+    sigma = {node.inputs[0]: (0.5, 0.3, 0.2)}
+    share_of = lambda name, layout: sigma[name]
+    inputs, output = (S(0), R, R), S(len(node.outputs[0].shape) - 1)
+    term = activation_memory(node, inputs, output, 3, (0.25, 0.15, 0.0), share_of)
+    assert term.per_device((0.25, 0.15, 0.0)) == pytest.approx([saved.nbytes * s for s in (0.5, 0.3, 0.2)])
+    assert term.fixed == pytest.approx((0.0, 0.0, saved.nbytes * 0.2))
+    plain = activation_memory(node, inputs, output, 3)  # without shares: the op's share for every split tensor
+    assert plain.per_device((0.25, 0.15, 0.0)) == pytest.approx([saved.nbytes * s for s in (0.25, 0.15, 0.0)])
