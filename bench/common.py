@@ -108,6 +108,16 @@ def meta() -> dict[str, Any]:
             "machine": machine(), "commit": commit()}
 
 
+def profiled(cluster: Path, force: bool = False) -> Path:
+    """The measured spec of an emulated cluster spec (`hetsynth profile`), cached as
+    bench/results/<name>-measured.toml; `force` measures again."""
+    measured = RESULTS / f"{cluster.stem}-measured.toml"
+    if force or not measured.exists():
+        subprocess.run([sys.executable, "-m", "hetsynth", "profile", "--cluster", str(cluster), "-o", str(measured)],
+                       cwd=ROOT, check=True)
+    return measured
+
+
 def write_json(name: str, data: Any) -> Path:
     """Write `data` to bench/results/NAME with a "meta" object (meta()) beside its figures."""
     RESULTS.mkdir(exist_ok=True)

@@ -429,7 +429,8 @@ def memory_bound_section(d: Json) -> str:
     predicted = [r["hetsynth"]["predicted"] for r in runs if r.get("hetsynth", {}).get("predicted")]
     ratios = d.get("ratios", {})
     labels = {"vs_fsdp_best": "fastest FSDP2 that fits / hetsynth (step time)",
-              "prediction_error": "hetsynth's prediction error, (predicted - measured) / measured"}
+              "prediction_error": "hetsynth's step prediction error, (predicted - measured) / measured",
+              "peak_prediction_error": "hetsynth's peak memory prediction error, the rank where it is largest"}
     ratio_rows = [[labels.get(k, k), x(v["median"]) if k.startswith("vs") else pct(v["median"]),
                    (f"{x(v['min'])}-{x(v['max'])}" if k.startswith("vs") else f"{pct(v['min'])} to {pct(v['max'])}"),
                    runs_text(len(runs))] for k, v in ratios.items()]
@@ -447,10 +448,13 @@ def memory_bound_section(d: Json) -> str:
            table(["configuration", "fits (runs)", "median step s", "peak MiB per rank", "result"], rows), "",
            table(["ratio", "median", "range", "runs"], ratio_rows)]
     if predicted:
-        out += ["", f"hetsynth's prediction: {num(predicted[0]['step_s'])} s per step, "
-                    f"{_mib(predicted[0]['peak_mib_by_rank'])} MiB by rank. The measured peaks are above it: the "
-                    "whole model each rank builds before it is sliced is in the cgroup's peak and not in the "
-                    "prediction."]
+        spec = d.get("measured_spec")
+        out += ["", f"hetsynth's prediction (run 1): {num(predicted[0]['step_s'])} s per step, "
+                    f"{_mib(predicted[0]['peak_mib_by_rank'])} MiB by rank"
+                + (f", planned for the measured spec `{Path(spec).name}` with the model's ops timed here." if spec
+                   else ".")
+                + " Every configuration builds the model whole on the host and places its part on the device, "
+                  "so the peaks are the training's (runtime.emulation.host_memory)."]
     return "\n".join(out)
 
 

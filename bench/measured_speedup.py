@@ -28,25 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, ROOT, print_tables, write_json
+from common import ROOT, print_tables, profiled, write_json
 from make_readme import ranged  # the README's own form of a ratio's median and range
 
 sys.path.insert(0, str(ROOT))
 
 CLUSTER = ROOT / "configs" / "clusters" / "local-emulated.toml"
-MEASURED = RESULTS / "local-emulated-measured.toml"
-
-
-def profile(force: bool) -> Path:
-    if force or not MEASURED.exists():
-        subprocess.run([sys.executable, "-m", "hetsynth", "profile", "--cluster", str(CLUSTER), "-o",
-                        str(MEASURED)], cwd=ROOT, check=True)
-    return MEASURED
 
 
 def plans(ref: str, cluster_path: Path, workdir: Path) -> dict[str, tuple[str, float]]:
@@ -165,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: give at least 1")
-    measured_spec = profile(args.reprofile)
+    measured_spec = profiled(CLUSTER, args.reprofile)
     runs = []
     for i in range(args.runs):
         print(f"run {i + 1}/{args.runs}", flush=True)
@@ -176,7 +167,7 @@ def main() -> None:
     print(f"medians of {args.runs} runs; ratios: median (min to max)")
     print_tables([row(m, r) for m, r in models.items()], header)
     write_json("measured_speedup.json", {"runs": runs, "models": models, "cluster": str(CLUSTER.relative_to(ROOT)),
-                                         "measured_spec": str(MEASURED.relative_to(ROOT))})
+                                         "measured_spec": str(measured_spec.relative_to(ROOT))})
 
 
 if __name__ == "__main__":

@@ -5,14 +5,21 @@
 The same model (MODEL), initialisation, data, optimizer (AdamW) and global-norm clipping in every
 configuration (runtime.compare's entries):
 
-  hetsynth            the plan `hetsynth plan --model MODEL --cluster <spec>` makes (ZeRO rows,
-                      shards and rows sized by memory and speed)
+  hetsynth            the plan `hetsynth plan --model MODEL --cluster <measured spec> --measure-ops`
+                      makes (ZeRO rows, shards and rows sized by memory and speed)
   fsdp_even           torch FSDP2 (runtime.fsdp: fully_shard per block, even shards), even rows
   fsdp_even_ckpt      the same with activation checkpointing of every block
   fsdp_prop           FSDP2 with throughput-proportional rows and matching loss weights
   fsdp_prop_ckpt      the same with activation checkpointing
   ddp                 torch DDP, even rows (a whole replica per rank)
   ddp_cp              torch DDP, throughput-proportional rows and loss weights
+
+As a user would, the cluster is profiled first (`hetsynth profile`, cached in
+bench/results/memory-bound-emulated-measured.toml; --reprofile measures again) and the plans are
+made for the measured spec with the model's ops timed here (the spec's own figures are nominal:
+planned on them, hetsynth's plan took 2.24 s a step, 13% more than it predicted; planned on the
+measured spec, 1.36-1.38 s, within 5% of its prediction).
+The measured spec decides the rows of the proportional baselines too.
 
 One launch per configuration, not one launch for all. Interleaving entries in one launch
 (runtime.compare) keeps every entry's model and optimizer state resident at once, so the peak a
@@ -25,9 +32,10 @@ configurations in a rotated order (run k starts at configuration k), and `--runs
 runs are made.
 
 Figures per run and configuration: median step seconds (rank 0's wall time of each timed step),
-each rank's measured peak memory (its memory cgroup's max_usage_in_bytes, which includes the
-model built whole on every rank before it is sharded) and limit, or the failure. For hetsynth
-also the plan's predicted step time and peak per device. Ratio per run: the fastest FSDP2
+each rank's measured peak memory (its memory cgroup's max_usage_in_bytes; every configuration
+builds the model whole on the host and places its part on the device, runtime.emulation.host_memory)
+and limit, or the failure. For hetsynth also the plan's predicted step time and peak per device,
+and the peak's error on the rank where it is largest ("peak_prediction_error"). Ratio per run: the fastest FSDP2
 configuration that fit / hetsynth (above 1: hetsynth faster); the table gives its median and
 range over the runs, and the same for DDP where it fit; a run where no FSDP2 configuration
 fit has no "vs_fsdp_best" (the failures say which rank ran out of memory at which limit). On
@@ -47,7 +55,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, print_tables, write_json
+from common import ROOT, print_tables, profiled, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -66,7 +74,8 @@ def make_plans(model: str, cluster_path: Path, workdir: Path) -> dict[str, Path]
     from hetsynth.planner import baselines
     from hetsynth.planner.planner import make_plan
 
-    cluster, graph = hetsynth.load_cluster(str(cluster_path)), hetsynth.capture_model(model)
+    cluster = hetsynth.load_cluster(str(cluster_path))
+    graph = hetsynth.capture_measured(model, cluster=cluster)
     plans = {"hetsynth": make_plan(graph, cluster, progress=False, with_baselines=False),
              "ev": make_plan(graph, cluster, ratios=baselines.even(cluster), restrictions=baselines.DP,
                              progress=False, with_baselines=False),
@@ -121,11 +130,13 @@ def predicted(plan_path: Path) -> dict:
             "peak_mib_by_rank": [round(d.memory_gib * 1024, 1) for d in plan.predicted.devices]}
 
 
-def one_run(index: int, configs: list[str], cluster_path: Path, model: str, warmup: int, rounds: int) -> dict:
-    """Every configuration once, starting at configuration `index` (rotated order)."""
+def one_run(index: int, configs: list[str], cluster_path: Path, spec_path: Path, model: str, warmup: int,
+            rounds: int) -> dict:
+    """Every configuration once, starting at configuration `index` (rotated order); the plans are
+    made for `spec_path` (the cluster's measured spec) and run on `cluster_path`."""
     order = configs[index % len(configs):] + configs[:index % len(configs)]
     with tempfile.TemporaryDirectory(prefix="hetsynth-bench-") as tmp:
-        plans = make_plans(model, cluster_path, Path(tmp))
+        plans = make_plans(model, spec_path, Path(tmp))
         results = {c: run_config(c, cluster_path, plans, Path(tmp), warmup, rounds) for c in order}
         if "hetsynth" in results:
             results["hetsynth"]["predicted"] = predicted(plans["hetsynth"])
@@ -143,6 +154,9 @@ def ratios(run: dict) -> dict[str, float]:
         if fit:
             out[name] = min(fit) / het["median_s"]
     out["prediction_error"] = (het["predicted"]["step_s"] - het["median_s"]) / het["median_s"]
+    peak_errors = [(p - m) / m for p, m in zip(het["predicted"]["peak_mib_by_rank"], het["peak_mib_by_rank"])]
+    if peak_errors:
+        out["peak_prediction_error"] = max(peak_errors, key=abs)
     return out
 
 
@@ -188,10 +202,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="timed steps per configuration and run")
     parser.add_argument("--runs", type=int, default=3, help="independent runs (median and range of each ratio)")
     parser.add_argument("--out", default="memory_bound.json", help="file name under bench/results/")
+    parser.add_argument("--reprofile", action="store_true", help="measure the cluster again (else the cached spec)")
     args = parser.parse_args()
+    spec = profiled(args.cluster, args.reprofile)
     runs, rows = [], []
     for i in range(args.runs):
-        runs.append(one_run(i, args.configs, args.cluster, args.model, args.warmup, args.rounds))
+        runs.append(one_run(i, args.configs, args.cluster, spec, args.model, args.warmup, args.rounds))
         rows += table_rows(i, runs[-1])
         print(json.dumps({c: {k: v for k, v in r.items() if k not in ("losses", "step_seconds")}
                           for c, r in runs[-1].items()}), flush=True)
@@ -201,7 +217,8 @@ def main() -> None:
     print_tables([[k, f"{v['median']:.3f}", f"{v['min']:.3f}-{v['max']:.3f}"] for k, v in spreads.items()],
                  ["ratio (fastest that fit / hetsynth; prediction (pred - meas) / meas)", f"median of {args.runs}",
                   "range"])
-    write_json(args.out, {"model": args.model, "cluster": str(args.cluster), "warmup": args.warmup,
+    write_json(args.out, {"model": args.model, "cluster": str(args.cluster), "measured_spec": str(spec),
+                          "warmup": args.warmup,
                           "rounds": args.rounds, "runs": runs, "summary": summary, "ratios": spreads})
 
 
