@@ -100,6 +100,8 @@ def costed_graph(graph: ReferenceGraph, policy: PrecisionPolicy) -> ReferenceGra
     type finds them (cost_models.saved_tensors.probe); else (float32 activations between kinds
     of different types, or an op fake tensors cannot run) every floating-point activation in
     the policy's activation dtype."""
+    if policy.reduce_scale != graph.grad_reduce_scale:
+        graph = graph.model_copy(update={"grad_reduce_scale": policy.reduce_scale})
     if not policy.is_mixed:
         return graph
     dtype = _TORCH_NAMES[policy.activation_dtype.value]

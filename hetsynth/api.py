@@ -44,7 +44,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
          fusion: bool = True, keep_unfit: bool = False, zero: str = "auto", model_ref: str | None = None,
-         precision: str = "fp32", cache: bool = False) -> Plan:
+         precision: str = "fp32", reduce_dtype: str = "float32", cache: bool = False) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -61,7 +61,9 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     build it. `precision`: "fp32", "bf16", "fp16" or "auto" (per device kind the fastest type its
     spec's matmul_flops gives; instruction_set.mixed_precision): what each kind computes in, with
     float32 master weights and gradient reduction; the plan records it and is costed at those
-    rates (a kind without the type asked for is a ValueError naming it). `cache`: return the plan
+    rates (a kind without the type asked for is a ValueError naming it). `reduce_dtype`: "float32"
+    (default) or "bfloat16", the dtype gradients are reduced in (half the gradient traffic;
+    instruction_set.mixed_precision). `cache`: return the plan
     cached for the same inputs and cache a new one (hetsynth.plan_cache; a model reference is
     looked up before capture, a module after it; never with `measure_ops`)."""
     from hetsynth.cost_models.precision import costed
@@ -80,13 +82,13 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
     if num_devices is not None:
         spec = spec.first(num_devices)
-    policy = choose_policy(spec, precision)  # a kind without the precision asked for fails before any capture
+    policy = choose_policy(spec, precision, reduce_dtype)  # a kind without the precision asked for fails before capture
     if isinstance(model, str) and model_ref is not None:
         raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
     options = {"face": "api", "batch_size": batch_size, "ratios": list(ratios) if ratios is not None else None,
                "allow_replicate_fallback": allow_replicate_fallback, "data_parallel": data_parallel,
                "bucket_mb": bucket_mb, "fusion": fusion, "keep_unfit": keep_unfit, "zero": zero,
-               "precision": precision}
+               "precision": precision, "reduce_dtype": reduce_dtype}
     cache = cache and not measure_ops
     key = plan_cache.ref_key(model, spec, options) if cache and isinstance(model, str) else None
     if key is not None and (hit := _cached(key)) is not None:
@@ -123,7 +125,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_zero=False)
     made = make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
                      bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None, keep_unfit=keep_unfit,
-                     precision=precision)
+                     precision=precision, reduce_dtype=reduce_dtype)
     made = made if zero in ("auto", "0") else _forced_zero(made, int(zero))
     if key is not None:
         plan_cache.store(key, made, plan_cache.model_files(model) if isinstance(model, str) else None)

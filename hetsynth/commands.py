@@ -81,6 +81,9 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="what each device kind computes in, with float32 master weights and gradient reduction: "
                         "fp32 (default), bf16 or fp16 on every kind (an error where a kind's matmul_flops lacks it), "
                         "or auto (per kind the fastest: bf16 where it has it, else fp16 with loss scaling)")
+    p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the dtype gradients are reduced across devices in: float32 (default) or bfloat16 (half the "
+                        "gradient traffic; the sums rounded to bfloat16, as FSDP2's reduce_dtype does)")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.add_argument("--stages", type=_stages_arg,
                    help="also make a pipeline: 'auto' (stages, cuts and sub-meshes chosen by dynamic programming "
@@ -215,7 +218,7 @@ def _plan_and_print(args: argparse.Namespace, key: "plan_cache.CacheKey | None",
                              allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                              measure_ops=args.measure_ops, data_parallel=args.data_parallel,
                              bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True, zero=args.zero,
-                             precision=args.precision)
+                             precision=args.precision, reduce_dtype=args.reduce_dtype)
         stages = _stages_to_try(plan, args)
         plan = _pipeline(plan, args, stages)
         if key is not None:
@@ -304,7 +307,8 @@ def run_run(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices != plan.cluster.num_devices:
             ref = args.model or plan.model.ref
             plan, path = hetsynth.plan(ref, cluster=plan.cluster.first(args.devices),
-                                       precision=plan.precision_policy().precision.value), None
+                                       precision=plan.precision_policy().precision.value,
+                                       reduce_dtype=plan.precision_policy().reduce_dtype), None
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
         elif args.model is not None:  # the plan with --model as its reference, written in the run's directory
             plan, path = with_model_ref(plan, args.model), None

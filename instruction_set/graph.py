@@ -110,6 +110,9 @@ class ReferenceGraph(BaseModel):
     # per device kind: how many times longer the model takes there than on that machine
     # (timed on the devices, profiling.model_timing); replaces the matmul-rate ratio
     device_scales: dict[str, float] | None = None
+    # bytes a gradient carries in its reduction per byte of the parameter (the plan's precision
+    # policy: 0.5 where gradients are reduced in bfloat16; cost_models.precision.costed_graph)
+    grad_reduce_scale: float = 1.0
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ReferenceGraph":
         """A copy with fields replaced; the cached lookups (by_name, consumers, fingerprint)

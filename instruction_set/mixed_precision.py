@@ -7,7 +7,11 @@ Micikevicius et al., "Mixed Precision Training", ICLR 2018; torch FSDP2's MixedP
 - each device computes forward and backward in its kind's `compute_dtype` under autocast
   semantics (matmuls and convolutions in the 16-bit type, reductions and losses in float32),
   so activations and their gradients travel in 16 bits;
-- gradients are reduced across devices in `reduce_dtype` (float32);
+- gradients are reduced across devices in `reduce_dtype`: float32, or bfloat16 where the user
+  asks (FSDP2's `reduce_dtype`, torchtitan's `mixed_precision_reduce`): each gradient is cast
+  to bfloat16 for the collective and the sum cast back into the float32 gradient the optimizer
+  reads, so gradient traffic is half (the cost model's `reduce_scale`); the sum is rounded to
+  bfloat16's 8 significant bits on the way (a tolerance, not exactness);
 - a kind computing in float16 scales the loss (`loss_scaling`: dynamic loss scaling, one scale
   agreed across ranks, an overflow on any rank skips the step on every rank); bfloat16 has
   float32's exponent range and needs none.
@@ -38,6 +42,9 @@ class Precision(StrEnum):
 _ASKED = {Precision.BF16: Dtype.BFLOAT16, Precision.FP16: Dtype.FLOAT16, Precision.FP32: Dtype.FLOAT32}
 
 
+REDUCE_BYTES = {"float32": 4, "bfloat16": 2}  # the gradient reduce dtypes, bytes an element
+
+
 class PrecisionError(ValueError):
     """A precision a device kind of the cluster cannot compute in; the message names both."""
 
@@ -55,12 +62,12 @@ class KindPrecision(_Frozen):
 
 class PrecisionPolicy(_Frozen):
     """The plan's precision: per device kind its compute dtype and loss scaling; master weights
-    and gradient reduction in float32."""
+    in float32, gradients reduced in float32 or bfloat16 (module docstring)."""
 
     precision: Precision
     kinds: dict[str, KindPrecision]
     master_dtype: Literal["float32"] = "float32"
-    reduce_dtype: Literal["float32"] = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def of(self, kind: str) -> KindPrecision:
         if kind not in self.kinds:
@@ -86,6 +93,11 @@ class PrecisionPolicy(_Frozen):
         float16 do not convert into each other without loss)."""
         dtypes = {k.compute_dtype for k in self.kinds.values()}
         return dtypes.pop() if len(dtypes) == 1 else Dtype.FLOAT32
+
+    @property
+    def reduce_scale(self) -> float:
+        """Bytes a gradient carries in its reduction per byte of its float32 master copy."""
+        return REDUCE_BYTES[self.reduce_dtype] / 4
 
     def describe(self) -> str:
         """One line: each kind's dtype, loss scaling, master and reduction dtypes."""
@@ -116,12 +128,16 @@ def kind_precision(name: str, kind: DeviceKind, precision: Precision) -> KindPre
     return KindPrecision(compute_dtype=dtype, loss_scaling=dtype is Dtype.FLOAT16)
 
 
-def choose_policy(cluster: ClusterSpec, precision: Precision | str = Precision.FP32) -> PrecisionPolicy:
-    """The policy of `precision` for the device kinds the cluster's devices use."""
+def choose_policy(cluster: ClusterSpec, precision: Precision | str = Precision.FP32,
+                  reduce_dtype: str = "float32") -> PrecisionPolicy:
+    """The policy of `precision` for the device kinds the cluster's devices use, gradients
+    reduced in `reduce_dtype` (float32 or bfloat16)."""
     try:
         precision = Precision(precision)
     except ValueError:
         raise PrecisionError(f"precision {precision!r}: use one of {', '.join(p.value for p in Precision)}") from None
+    if reduce_dtype not in REDUCE_BYTES:
+        raise PrecisionError(f"gradient reduce dtype {reduce_dtype!r}: use one of {', '.join(REDUCE_BYTES)}")
     used = sorted({d.kind for d in cluster.devices})
-    return PrecisionPolicy(precision=precision,
+    return PrecisionPolicy(precision=precision, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
                            kinds={k: kind_precision(k, cluster.device_kinds[k], precision) for k in used})

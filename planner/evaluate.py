@@ -78,7 +78,7 @@ def _param_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> 
 @TERMS.implements("all_reduce", phase=Phase.BACKWARD)
 def _sync_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -> Term:
     """Backward gradient all-reduce of a replicated (or node-replicated) parameter."""
-    nbytes = pb.meta(ins.tensor).nbytes
+    nbytes = pb.meta(ins.tensor).nbytes * pb.graph.grad_reduce_scale
     if ins.axis == "outer":
         nbytes *= max(pb.shares(ins.tensor, ins.layout))
     cost = pb.comm.bucketed(ins.variant, nbytes, ins.axis)

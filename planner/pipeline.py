@@ -27,7 +27,7 @@ from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.graph import ReferenceGraph
 from hetsynth.instruction_set.layouts import P, R, Layout
 from hetsynth.instruction_set.mesh import Mesh
-from hetsynth.instruction_set.mixed_precision import Precision
+from hetsynth.instruction_set.mixed_precision import PrecisionPolicy
 from hetsynth.instruction_set.models import ModelSpec
 from hetsynth.instruction_set.pipeline import Boundary, Pipeline, PipelinePrediction, PipelineStage, PredictedEvent
 from hetsynth.instruction_set.plan import Plan, PlanShape
@@ -63,17 +63,18 @@ def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
 
 
 def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls: tuple[int, int],
-                 ratios: Sequence[float] | None, width: int, precision: Precision) -> dict[int, Plan]:
+                 ratios: Sequence[float] | None, width: int, policy: PrecisionPolicy) -> dict[int, Plan]:
     """The stage's program synthesized at the largest micro-batch size and derived at the
     others; else synthesized at the smallest (the largest's may shard a dim that is 1 at the
     smallest, such as the batch of a micro-batch of one: no rule shards a dim of 1). Each
-    stage is planned under the whole plan's `precision` on its own sub-cluster (its kinds'
-    compute dtypes, so their rates, are the ones the whole cluster's policy gives them)."""
+    stage is planned under the whole plan's precision `policy` on its own sub-cluster (its kinds'
+    compute dtypes, so their rates, are the ones the whole cluster's policy gives them; its
+    gradients reduced in the policy's dtype)."""
     failed = []
     for size in sorted({max(graphs), min(graphs)}, reverse=True):
         first = make_plan(stage_graph(graphs[size], *calls), cluster, ratios=ratios, width=width, progress=False,
                           with_baselines=False, allow_zero=False,  # the pipeline runtime keeps optimizer state whole
-                          precision=precision)
+                          precision=policy.precision, reduce_dtype=policy.reduce_dtype)
         if any(i.kind in FUSED_MATMULS for i in first.instructions):
             first = without_fusion(first)  # the pipeline executor runs no fused collective-matmuls (not tested there)
         try:
@@ -136,10 +137,10 @@ def _reshard(src: PipelineStage, dst: PipelineStage, b: int, tensor: str, held: 
 
 
 def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], cluster: ClusterSpec,
-           ratios: Sequence[float] | None, width: int, precision: Precision) -> PipelineStage:
+           ratios: Sequence[float] | None, width: int, policy: PrecisionPolicy) -> PipelineStage:
     ranks, calls = choice
     full = next(iter(graphs.values()))
-    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width, precision)
+    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width, policy)
     g = next(iter(plans.values())).graph
     inputs = tuple(n.name for n in g.nodes if n.op == "input" and full.node(n.name).op == "call"
                    and g.node(n.name).op == "input" and n.name in {c.name for c in full.calls[:calls[0]]})
@@ -198,8 +199,8 @@ def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice
         graphs, found = micro_graphs(spec, full, sizes)
         log.warning("%s", err)
     ratios = ratios or [None] * len(stages)
-    precision = spmd.precision_policy().precision
-    built = [_stage(i, c, graphs, cluster, ratios[i], width, precision) for i, c in enumerate(stages)]
+    policy = spmd.precision_policy()
+    built = [_stage(i, c, graphs, cluster, ratios[i], width, policy) for i, c in enumerate(stages)]
     boundaries = _boundaries(built, cluster)
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     actions = build_actions(schedule, len(sizes), links, len(built))

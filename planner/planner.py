@@ -450,16 +450,17 @@ def make_plan(graph: ReferenceGraph, cluster: ClusterSpec, *, ratios: Sequence[f
               width: int = DEFAULT_WIDTH, progress: bool = True,
               restrictions: Restrictions | None = None, with_baselines: bool = True,
               bucket_cap: int | None = None, allow_zero: bool = True, keep_unfit: bool = False,
-              precision: Precision | str = Precision.FP32) -> Plan:
+              precision: Precision | str = Precision.FP32, reduce_dtype: str = "float32") -> Plan:
     """Synthesize the plan for `graph` on `cluster`, with its baselines. `restrictions`
     narrows the program space (forced layouts or variants, used by tests); `bucket_cap`
     forces the gradient bucket cap in bytes (default: the one the cost model predicts fastest);
     `keep_unfit` as in `search_plan` (the plan's `predicted.fits` then says so). `precision`
     chooses each device kind's compute dtype (instruction_set.mixed_precision; PrecisionError
     where a kind lacks the one asked for); search, LP and baselines cost the graph and cluster
-    as that policy makes them (cost_models.precision), and the plan records the policy."""
+    as that policy makes them (cost_models.precision), and the plan records the policy;
+    `reduce_dtype` the dtype gradients are reduced in (float32, or bfloat16 at half the traffic)."""
     start = time.perf_counter()
-    policy = choose_policy(cluster, precision)
+    policy = choose_policy(cluster, precision, reduce_dtype)
     costed_graph, costed_cluster = costed(graph, cluster, policy)
     if policy.is_mixed and progress:  # not once per pipeline stage program
         log.info("precision %s", policy.describe())

@@ -75,7 +75,7 @@ def _sync_s(pb: Problem, plan: Plan) -> float:
     nbytes: dict[str, float] = {}
     for ins in plan.instructions:
         if ins.kind == "all_reduce" and ins.phase == "backward" and pb.comm.group_size(ins.axis) > 1:
-            nbytes[ins.axis] = nbytes.get(ins.axis, 0.0) + pb.meta(ins.tensor).nbytes
+            nbytes[ins.axis] = nbytes.get(ins.axis, 0.0) + pb.meta(ins.tensor).nbytes * pb.graph.grad_reduce_scale
     even = (1.0 / pb.width,) * pb.width
     return sum(pb.comm.cost("all_reduce", "ring", n, axis).at(even) for axis, n in nbytes.items())
 
@@ -100,7 +100,8 @@ def shared_s(stages: Sequence[PipelineStage], cluster: ClusterSpec) -> float:
     total = 0.0
     for fqn, held in holders.items():
         if len(held) > 1:
-            total += all_reduce_s(cluster, range(held[0].first_rank, held[-1].ranks.stop), float(nbytes[fqn]))
+            scale = next(iter(held[0].plans.values())).precision_policy().reduce_scale
+            total += all_reduce_s(cluster, range(held[0].first_rank, held[-1].ranks.stop), float(nbytes[fqn]) * scale)
     return total
 
 

@@ -134,14 +134,16 @@ def backward_share(pb: Problem, ins: Instruction) -> float:
 
 def bucket_sync(pb: Problem, bucket: GradBucket) -> Form:
     """S_b: the bucket's all-reduce (or a ZeRO-2 bucket's reduce-scatter onto the rows at the
-    state ratios q), a constant in the ratios."""
+    state ratios q), a constant in the ratios; its bytes as the gradients travel (bfloat16 halves
+    them: ReferenceGraph.grad_reduce_scale)."""
+    wire = float(bucket.nbytes) * pb.graph.grad_reduce_scale
     if pb.comm.group_size(bucket.axis) == 1:
         seconds_ = 0.0
     elif bucket.kind == "reduce_scatter":
         q = pb.state_shares
-        seconds_ = pb.comm.cost("reduce_scatter", bucket.variant, float(bucket.nbytes), bucket.axis, q).at(q)
+        seconds_ = pb.comm.cost("reduce_scatter", bucket.variant, wire, bucket.axis, q).at(q)
     else:
-        seconds_ = pb.comm.cost("all_reduce", bucket.variant, float(bucket.nbytes), bucket.axis).at(
+        seconds_ = pb.comm.cost("all_reduce", bucket.variant, wire, bucket.axis).at(
             (1.0 / pb.width,) * pb.width)
     return Form(LinearCost.constant(seconds_, pb.width), Shares((1.0,) * pb.width, ShareKind.NONE),
                 Category.COMMUNICATION)
@@ -222,7 +224,8 @@ def zero3_all_forms(pb: Problem, program: Sequence[Instruction]) -> dict[str, tu
     for tensor in tensors:
         nbytes, k = float(pb.meta(tensor).nbytes), uses.get(tensor, 0)
         gather = pb.comm.cost("all_gather", gather_variant, nbytes, "all", q).scaled(k)
-        scatter = pb.comm.cost("reduce_scatter", scatter_variant, nbytes, "all", q).scaled(k)
+        scatter = pb.comm.cost("reduce_scatter", scatter_variant, nbytes * pb.graph.grad_reduce_scale, "all",
+                               q).scaled(k)
         out[tensor] = (Form(gather, shares, Category.COMMUNICATION),
                        Form(gather + scatter, shares, Category.COMMUNICATION))
     return out
@@ -286,7 +289,7 @@ def state_gather_variant(pb: Problem, program: Sequence[Instruction]) -> str:
 def state_scatter_variant(pb: Problem, program: Sequence[Instruction]) -> str:
     """The reduce-scatter variant the model predicts fastest for the ZeRO-2 gradients onto
     the rows at the state ratios (of those the bucketed sync issues: SCATTER_VARIANTS)."""
-    nbytes = state_gather_bytes(pb, program, {TrainingState.ZERO2, TrainingState.ZERO3})
+    nbytes = state_gather_bytes(pb, program, {TrainingState.ZERO2, TrainingState.ZERO3}) * pb.graph.grad_reduce_scale
     if nbytes == 0.0:
         return SCATTER_VARIANTS[0]
     q = pb.state_shares

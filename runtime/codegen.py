@@ -59,7 +59,7 @@ from hetsynth.instruction_set.training_state import TrainingState
 from hetsynth.runtime.collectives import Span
 from hetsynth.runtime.conversions import make_conversion, span
 from hetsynth.runtime.fused_ops import FusedLinear
-from hetsynth.runtime.mixed_precision import wire_dtype
+from hetsynth.runtime.mixed_precision import gradient_wire, wire_dtype
 from hetsynth.runtime.groups import Groups
 from hetsynth.runtime.peephole import fuse_cross_entropy
 from hetsynth.runtime.recompute import emit_unit
@@ -168,7 +168,7 @@ class _Emitter:
         whole_span = self.groups.span("all")
         span = Span(whole_span.group, whole_span.members, whole_span.index, 0, rows)
         self.root.add_module(f"gather_{name}", GatherParamModule(span, shards.variant, shards.scatter_variant,
-                                                                 self.gathers))
+                                                                 self.gathers, gradient_wire(self.plan)))
         if not self.zero3:
             self.root.add_module("zero3_regather", RegatherPointModule(self.gathers))
             self.env[CHAIN] = self.graph.call_function(chain_start, (self.device,))

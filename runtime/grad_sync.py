@@ -7,7 +7,10 @@ and no flatten or copy-back pass is needed. A post-accumulate-grad hook on every
 counts down its bucket; once a bucket's last expected gradient has arrived and every bucket
 before it has been launched, its all-reduce is issued asynchronously (gloo runs it on its own
 threads while the backward goes on). `finish()` launches what is left, in order, and waits for
-every bucket: that wait is the step's exposed gradient synchronisation.
+every bucket: that wait is the step's exposed gradient synchronisation. Under a precision
+policy that reduces gradients in bfloat16 (runtime.mixed_precision.gradient_wire), a bucket's
+stages run on a bfloat16 cast of its buffer made at launch, and the result is cast back into
+the buffer when the last stage completes (a ZeRO-2 bucket: into this rank's rows).
 
 All-reduce variants are chains of asynchronous collectives, "stages":
 
@@ -143,6 +146,7 @@ class BucketRun:
     done_s: float = 0.0
     late: bool = False
     layouts: list[RowsLayout] = field(default_factory=list)   # reduce_scatter: one per dtype (buffers lazily)
+    wire: list[torch.Tensor] = field(default_factory=list)    # what the stages reduce: the buffers, or their casts
     row_grads: dict[int, torch.Tensor] = field(default_factory=dict)   # reduce_scatter: id(param) -> my rows
 
     @property
@@ -265,8 +269,10 @@ def lane_groups(buckets: list[GradBucket], groups: Groups) -> dict[Lane, Any]:
 class GradientSync:
     """The buckets of one rank (module docstring)."""
 
-    def __init__(self, buckets: list[BucketRun], lanes: dict[Lane, Any], rank: int) -> None:
+    def __init__(self, buckets: list[BucketRun], lanes: dict[Lane, Any], rank: int,
+                 wire: torch.dtype | None = None) -> None:
         self.buckets, self.lanes, self.rank = buckets, lanes, rank
+        self.wire = wire   # the dtype gradients are reduced in (runtime.mixed_precision.gradient_wire); None: their own
         self.next = 0            # next bucket to launch
         self.start_s = 0.0
         self.learnt = False
@@ -280,8 +286,9 @@ class GradientSync:
 
     @staticmethod
     def build(module: nn.Module, specs: tuple[GradBucket, ...], groups: Groups,
-              rows: dict[str, tuple[int, ...]] | None = None) -> "GradientSync":
-        """`rows`: every ZeRO-2 parameter's rows per rank (the plan's state_shards.rows)."""
+              rows: dict[str, tuple[int, ...]] | None = None, wire: torch.dtype | None = None) -> "GradientSync":
+        """`rows`: every ZeRO-2 parameter's rows per rank (the plan's state_shards.rows); `wire`:
+        the dtype the buckets are reduced in (None: the gradients' own)."""
         runs = []
         for spec in specs:
             names = [n for n in spec.params if getattr(module, n).requires_grad]
@@ -295,7 +302,7 @@ class GradientSync:
                 runs.append(BucketRun(spec, params, [None] * len(layouts), set(range(len(params))), layouts=layouts))
             else:
                 runs.append(BucketRun(spec, params, _flat_views(params), set(range(len(params)))))
-        return GradientSync(runs, lane_groups([r.spec for r in runs], groups), groups.rank)
+        return GradientSync(runs, lane_groups([r.spec for r in runs], groups), groups.rank, wire)
 
     def row_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """A ZeRO-2 parameter's gradient on this rank's rows, once its bucket completed."""
@@ -383,6 +390,7 @@ class GradientSync:
             run.buffers = [b if b is not None else run.params[0].new_zeros(l.size, dtype=p.dtype)
                            for b, l, p in zip(run.buffers, run.layouts, run._firsts())]
             run.state = list(run.layouts)
+        run.wire = [b.to(self.wire) if self.wire is not None and b.is_floating_point() else b for b in run.buffers]
         self.next += 1
         self._issue(run)
 
@@ -390,7 +398,7 @@ class GradientSync:
         stages = _stages(run.spec.kind, run.spec.variant)
         _, issue = stages[run.stage]
         group = self.lanes[(run.spec.kind, run.spec.variant, run.spec.axis, run.stage)]
-        pairs = [issue(flat, state, group) for flat, state in zip(run.buffers, run.state)]
+        pairs = [issue(flat, state, group) for flat, state in zip(run.wire, run.state)]
         run.works = [Pending(w) for work, _ in pairs for w in (work if isinstance(work, list) else [work])]
         run.state, run.issued = [s for _, s in pairs], True
         if run.stage + 1 < len(stages):  # a later stage waits for this one
@@ -429,14 +437,16 @@ class GradientSync:
             return
         if run.layouts:  # this rank's rows, exactly (no padding), and the copy-in buffer freed
             for d, (layout, out) in enumerate(run.state):
-                mine = out[:layout.lengths[layout.span.index]].clone()
-                members = [p for p in run.params if p.dtype == run._firsts()[d].dtype]
+                dtype = run._firsts()[d].dtype
+                mine = out[:layout.lengths[layout.span.index]].to(dtype, copy=True)
+                members = [p for p in run.params if p.dtype == dtype]
                 run.row_grads.update({id(p): v for p, v in zip(members, layout.views(mine))})
-            run.buffers, run.state = [None] * len(run.layouts), []
+            run.buffers, run.state, run.wire = [None] * len(run.layouts), [], []
         else:
             for flat, result in zip(run.buffers, run.state):
-                if result is not flat:
+                if result is not flat:  # a stage's own tensor, or the bucket's cast (copy_ casts back)
                     flat.copy_(result[:flat.numel()])
+            run.wire = []
         run.done_s = time.perf_counter() - self.start_s
 
     def finish(self) -> list[BucketTiming]:

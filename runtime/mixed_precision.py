@@ -4,7 +4,9 @@ autocast around its forward passes and the run's one loss scaler.
 - Compute: torch.autocast of the rank's device kind's 16-bit type (none for float32), so
   matmuls and convolutions run in 16 bits and reductions and losses in float32, as on one
   device under autocast. Parameters stay float32: they are the master weights the optimizer
-  updates, their gradients come out float32 and are reduced in float32 (the buckets).
+  updates, their gradients come out float32 and are reduced in float32, or in bfloat16 where
+  the policy asks (gradient_wire: each gradient, or bucket, cast for its collective and the
+  sum cast back: the grad-sync buckets, ZeRO-3's reduce-scatters, a pipeline's syncs).
 - What crosses ranks inside the program travels in one dtype on every rank (wire_dtype): an
   activation in the 16-bit type every kind computes in, or in the plan's dtype when kinds
   compute in different ones (bfloat16 and float16 do not convert into each other without
@@ -25,7 +27,7 @@ autocast around its forward passes and the run's one loss scaler.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -53,6 +55,22 @@ def wire_dtype(plan: Plan, tensor: str) -> torch.dtype | None:
         return None
     shared = TORCH_DTYPES.get(plan.precision_policy().activation_dtype)
     return shared if shared is not None and node.op not in ("param", "buffer") else own
+
+
+def gradient_wire(plan: Plan) -> torch.dtype | None:
+    """The dtype gradients travel in through their reduction under the plan's policy (bfloat16
+    where asked: instruction_set.mixed_precision), None for float32; a twin's plan has no policy,
+    so its gradients are reduced in its own dtype."""
+    return torch.bfloat16 if plan.precision_policy().reduce_dtype == "bfloat16" else None
+
+
+def reduced(collective: Callable[[torch.Tensor], torch.Tensor], grad: torch.Tensor,
+            wire: torch.dtype | None) -> torch.Tensor:
+    """collective(grad) with grad carried in `wire` (None: as it is), the result back in
+    grad's dtype."""
+    if wire is None or grad.dtype == wire or not grad.is_floating_point():
+        return collective(grad)
+    return collective(grad.to(wire)).to(grad.dtype)
 
 
 def reference_dtype(plan: Plan) -> torch.dtype | None:

@@ -26,6 +26,7 @@ from hetsynth.instruction_set.training_state import TrainingState
 from hetsynth.runtime.codegen import RankProgram
 from hetsynth.runtime.grad_sync import GradientSync
 from hetsynth.runtime.groups import Groups
+from hetsynth.runtime.mixed_precision import gradient_wire
 from hetsynth.runtime.zero import ZeroState
 
 
@@ -33,7 +34,7 @@ def gradient_sync(plan: Plan, program: RankProgram, groups: Groups) -> GradientS
     """The plan's gradient buckets over a rank's program (None when no parameter needs a sync)."""
     buckets = plan.buckets()
     rows = plan.state_shards.rows if plan.state_shards is not None else None
-    return GradientSync.build(program.module, buckets, groups, rows) if buckets else None
+    return GradientSync.build(program.module, buckets, groups, rows, gradient_wire(plan)) if buckets else None
 
 
 def counts_once(groups: Groups, layout: Layout) -> bool:

@@ -59,15 +59,18 @@ import torch.distributed as dist
 from torch import nn
 
 from hetsynth.runtime.collectives import COLLECTIVE_VARIANTS, Span
+from hetsynth.runtime.mixed_precision import reduced
 
 
 class GatherParamModule(nn.Module):
     """One ZeRO-3 parameter's gathers (module docstring); `span`: dim 0, its rows. Called at
     each use with the chain's token: (rows, token) -> (W, next token)."""
 
-    def __init__(self, span: Span, variant: str, scatter_variant: str, gathers: "ParamGathers") -> None:
+    def __init__(self, span: Span, variant: str, scatter_variant: str, gathers: "ParamGathers",
+                 wire: torch.dtype | None = None) -> None:
         super().__init__()
         self.span, self.variant, self.scatter_variant, self.gathers = span, variant, scatter_variant, gathers
+        self.wire = wire  # the dtype the gradient's reduce-scatter carries (runtime.mixed_precision.gradient_wire)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -77,7 +80,8 @@ class GatherParamModule(nn.Module):
         """This rank's rows of the summed gradient, in storage of their own (the padded
         variant's result is a view of rows padded to the largest rank's)."""
         with torch.no_grad():
-            rows = COLLECTIVE_VARIANTS.get("reduce_scatter", variant=self.scatter_variant)(grad, self.span)
+            scatter = COLLECTIVE_VARIANTS.get("reduce_scatter", variant=self.scatter_variant)
+            rows = reduced(lambda g: scatter(g, self.span), grad, self.wire)
         return rows.clone() if rows.untyped_storage().nbytes() > rows.numel() * rows.element_size() else rows
 
     def forward(self, rows: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -292,3 +292,26 @@ def test_cli_plan_auto_records_and_prints_the_policy(capsys: pytest.CaptureFixtu
     printed = json.loads(capsys.readouterr().out)
     assert printed["precision"]["kinds"]["A100"] == {"compute_dtype": "bfloat16", "loss_scaling": False}
     assert load_plan(out).precision == choose_policy(load_cluster(A100_T4), "auto")
+
+
+def test_gradients_reduced_in_bfloat16_are_costed_at_half_the_bytes() -> None:
+    """reduce_dtype bfloat16: the policy says so, and the same data-parallel program's gradient
+    buckets are costed at half their float32 bytes (its step is predicted faster)."""
+    from hetsynth import capture_model
+    from hetsynth.planner import baselines
+
+    spec = load_cluster(CLUSTERS / "local-emulated.toml")
+    graph = capture_model("gpt:tiny")
+    plans = {r: make_plan(graph, spec, ratios=baselines.even(spec), restrictions=baselines.DP, progress=False,
+                          with_baselines=False, reduce_dtype=r) for r in ("float32", "bfloat16")}
+    policy = plans["bfloat16"].precision_policy()
+    assert policy.reduce_dtype == "bfloat16" and policy.reduce_scale == 0.5
+    assert "gradients reduced in bfloat16" in policy.describe()
+    program = {r: [(i.kind, i.tensor, i.layout, i.variant) for i in p.instructions] for r, p in plans.items()}
+    assert program["bfloat16"] == program["float32"]
+    syncs = {r: [i.predicted_s for i in p.instructions if i.kind == "all_reduce" and i.phase == "backward"]
+             for r, p in plans.items()}
+    assert syncs["bfloat16"] == pytest.approx([s / 2 for s in syncs["float32"]])
+    assert plans["bfloat16"].predicted.step_time_s < plans["float32"].predicted.step_time_s
+    with pytest.raises(PrecisionError, match="float16"):
+        choose_policy(spec, "fp32", "float16")

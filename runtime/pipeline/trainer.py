@@ -45,7 +45,7 @@ from hetsynth.runtime.codegen import RankProgram, build_rank_program, local_slic
 from hetsynth.runtime.config import TrainConfig
 from hetsynth.runtime.groups import Groups, group_timeout
 from hetsynth.runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
-from hetsynth.runtime.mixed_precision import autocast, forward_dtype, loss_scaler
+from hetsynth.runtime.mixed_precision import autocast, forward_dtype, gradient_wire, loss_scaler, reduced
 from hetsynth.runtime.pipeline.transfer import Link, Outbox, post_receive, receive_forward, send_forward
 from hetsynth.runtime.rank_state import precision
 from hetsynth.runtime.train import check_finite, check_state, initial_state, make_optimizer
@@ -319,19 +319,19 @@ def sync_gradients(t: PipelineTrainer) -> None:
     on a throttled worker's loopback); then the copies of parameters several stages hold,
     summed over the holders."""
     module = t.main.module
+    plan = t.stage.plans[max(t.stage.plans)]
+    wire = gradient_wire(t.plan) if t.dtype is None else None  # a twin reduces in its own dtype
     coalesced: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for p in t.main.params:
         grad = getattr(module, p.name).grad
         if p.sync is not None and grad is not None:
             coalesced.setdefault((p.sync.axis, grad.dtype), []).append(grad)
     for (axis, _), grads in coalesced.items():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=t.groups.group(axis))
+        flat = reduced(lambda x: _all_reduced(x, t.groups.group(axis)), torch.cat([g.reshape(-1) for g in grads]), wire)
         at = 0
         for g in grads:
             g.copy_(flat[at:at + g.numel()].view_as(g))
             at += g.numel()
-    plan = t.stage.plans[max(t.stage.plans)]
     for p in t.main.params:
         if p.fqn in t.shared:
             param = getattr(module, p.name)
@@ -339,8 +339,13 @@ def sync_gradients(t: PipelineTrainer) -> None:
             whole = torch.zeros(node.out.shape, dtype=param.dtype)
             if param.grad is not None and MeshLayout(t.groups.mesh, p.layout).counts_once(t.groups.rank):
                 local_slice(plan, p.name, p.layout, t.groups.rank, whole, t.groups.mesh).add_(param.grad)
-            dist.all_reduce(whole, group=t.shared[p.fqn])
+            whole = reduced(lambda x: _all_reduced(x, t.shared[p.fqn]), whole, wire)
             param.grad = local_slice(plan, p.name, p.layout, t.groups.rank, whole, t.groups.mesh).clone()
+
+
+def _all_reduced(x: torch.Tensor, group: Any) -> torch.Tensor:
+    dist.all_reduce(x, group=group)
+    return x
 
 
 def first_holder(t: PipelineTrainer, fqn: str) -> bool:
