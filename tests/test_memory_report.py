@@ -89,8 +89,8 @@ def test_probe_equals_autograd_on_one_device() -> None:
 
 def test_a_saved_tensor_scales_with_its_own_layout() -> None:
     """A linear reading its input rows split (S0) and writing columns split too saves the input at
-    the input's share, not the op's: per_share_i = bytes * sigma_i / s_i, and a device with no
-    share of the op (s_i = 0) holds bytes * sigma_i as fixed."""
+    the input's share, not the op's: per_share_i = bytes * sigma_i / s_i; a device with no share
+    of the op (s_i = 0) saves nothing for it, whole tensors included."""
     from hetsynth.cost_models.memory import activation_memory
     from hetsynth.instruction_set.layouts import R, S
 
@@ -101,7 +101,9 @@ def test_a_saved_tensor_scales_with_its_own_layout() -> None:
     share_of = lambda name, layout: sigma[name]
     inputs, output = (S(0), R, R), S(len(node.outputs[0].shape) - 1)
     term = activation_memory(node, inputs, output, 3, (0.25, 0.15, 0.0), share_of)
-    assert term.per_device((0.25, 0.15, 0.0)) == pytest.approx([saved.nbytes * s for s in (0.5, 0.3, 0.2)])
-    assert term.fixed == pytest.approx((0.0, 0.0, saved.nbytes * 0.2))
+    assert term.per_device((0.25, 0.15, 0.0)) == pytest.approx([saved.nbytes * s for s in (0.5, 0.3, 0.0)])
+    whole = activation_memory(node, (R, R, R), S(len(node.outputs[0].shape) - 1), 3, (0.5, 0.5, 0.0), share_of)
+    assert whole.fixed == pytest.approx((saved.nbytes, saved.nbytes, 0.0))  # the input held whole, but not
+    # where the op has no rows
     plain = activation_memory(node, inputs, output, 3)  # without shares: the op's share for every split tensor
     assert plain.per_device((0.25, 0.15, 0.0)) == pytest.approx([saved.nbytes * s for s in (0.25, 0.15, 0.0)])
