@@ -98,8 +98,9 @@ def activation_memory(node: Node, inputs: Sequence[Layout], output: Layout, n: i
                                                              put as the ratio LP moves s)
     and a device with no share of the op (s_i = 0: zero rows) saves nothing for it, not even the
     tensors every other device holds whole (measured: a rank without rows keeps no autocast copy
-    of a weight, where the model counted 0.02-0.03 MiB). Without them every split tensor scales
-    with s (sigma_t = s) and whole tensors are counted on every device."""
+    of a weight, where the model counted 0.02-0.03 MiB); its per_share stays nbytes_t (sigma_t =
+    s), so a ratio LP that gives it rows still counts the split tensors. Without them every split
+    tensor scales with s (sigma_t = s) and whole tensors are counted on every device."""
     if node.saved is None:
         return _unprobed_memory(node, any(l.is_shard for l in (output, *inputs)), n)
     fixed, per_share = [0.0] * n, [0.0] * n
@@ -111,8 +112,7 @@ def activation_memory(node: Node, inputs: Sequence[Layout], output: Layout, n: i
             per_share = [p + t.nbytes for p in per_share]
         else:
             for i, (sigma, s) in enumerate(zip(share_of(_saved_name(node, t), layout), rule_shares)):
-                if s > 0:
-                    per_share[i] += t.nbytes * sigma / s
+                per_share[i] += t.nbytes * (sigma / s if s > 0 else 1.0)
     if rule_shares is not None:
         fixed = [f if s > 0 else 0.0 for f, s in zip(fixed, rule_shares)]
     return MemoryTerm(tuple(fixed), tuple(per_share))
