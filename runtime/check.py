@@ -26,7 +26,9 @@ buffers (AdamW; `sqrt(eps)` for SGD).
 **A 16-bit precision policy** (runtime.mixed_precision): the run as planned is compared with
 single-device training under torch.autocast of the least precise 16-bit type its kinds compute
 in (no loss scaling on one device), at that type's tolerances (bfloat16: 8.8e-2 relative for
-the loss); the float64 twin has no policy and still decides.
+the loss); the float64 twin has no policy and still decides. A policy that reduces gradients
+in bfloat16 rounds every sum to it: the run is judged at bfloat16's tolerances (against autocast
+on one device where its kinds compute in 16 bits, else against the plan's dtype), and says so.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Comparison:
     tensor_tolerance: float
     lowered: tuple[tuple[str, str], ...] = ()  # (op, the dtype it ran in): ops without a `dtype` kernel
     policy: str = ""  # a 16-bit precision policy's description: the run was judged against its stand-in
-    half: str = ""    # that stand-in's 16-bit type, whose tolerances apply
+    half: str = ""    # the 16-bit type whose tolerances apply (the stand-in's, or the gradients' reduction's)
+    autocast: str = ""  # the stand-in's autocast type on one device ("": none, the plan's dtype)
 
     @property
     def judged(self) -> str:
@@ -67,7 +70,9 @@ class Comparison:
             ops = ", ".join(f"{op} ({dtype})" for op, dtype in self.lowered)
             lowered = (f"; ops without a {self.dtype} kernel ran in a lower precision: {ops}, so the "
                        f"tolerances are {lowest_dtype(self.dtype, dict(self.lowered))}'s")
-        head = (f"{self.dtype} with precision {self.policy}, against {self.half} autocast on one device"
+        against = f"{self.autocast} autocast" if self.autocast else self.dtype
+        head = (f"{self.dtype} with precision {self.policy}, against {against} on one device"
+                + (f", at {self.half}'s tolerances" if self.half != self.autocast else "")
                 if self.policy else self.dtype)
         return (f"{head}: largest relative loss difference {self.loss_rel:.3e} (tolerance "
                 f"{self.loss_tolerance:.1e}), largest parameter/buffer difference {self.worst_diff:.3e} "
@@ -112,7 +117,7 @@ def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, toleranc
 def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float],
             tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
             tolerances: tuple[float, float], lowered: Mapping[str, str] | None = None, policy: str = "",
-            half: str = "") -> Comparison:
+            half: str = "", autocast: str = "") -> Comparison:
     """The run's losses and final tensors against single-device training; NaN counts as
     the worst difference, and a tensor missing on either side fails. `lowered`: the ops that
     ran in a lower precision than `dtype` ({op: dtype}), named in the result."""
@@ -121,14 +126,15 @@ def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float
     for name in sorted(set(tensors) | set(expected)):
         if name not in tensors or name not in expected:
             if name in tensors:  # the run has a tensor the plain model does not
-                return Comparison(dtype, 0.0, name, math.inf, *tolerances, lowered=low, policy=policy, half=half)
+                return Comparison(dtype, 0.0, name, math.inf, *tolerances, lowered=low, policy=policy, half=half,
+                                  autocast=autocast)
             continue  # an alias or a buffer the graph never reads: not trained
         diff = tensor_difference(tensors[name], expected[name])
         if math.isnan(diff) or diff > worst_diff:
             worst, worst_diff = name, math.inf if math.isnan(diff) else diff
     loss = loss_difference(losses, expected_losses)
     return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances, lowered=low,
-                      policy=policy, half=half)
+                      policy=policy, half=half, autocast=autocast)
 
 
 # -- the same check on a pool of ranks (tests, bench/families.py) ---------------------------------

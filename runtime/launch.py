@@ -69,7 +69,7 @@ from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.plan import Plan, PlanShape, save_plan
 from hetsynth.instruction_set.precision import lowered_ops_recorded
 from hetsynth.runtime import emulation, heartbeat, runstate
-from hetsynth.runtime.check import Comparison, compare, dtype_tolerances
+from hetsynth.runtime.check import Comparison, compare, dtype_tolerances, lowest_dtype
 from hetsynth.runtime.checkpoint import check_resume, read_checkpoint
 from hetsynth.runtime.config import TrainConfig
 from hetsynth.runtime.outputs import check_outputs
@@ -429,13 +429,17 @@ def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str)
     run = json.loads(Path(report).read_text())
     with lowered_ops_recorded() as lowered:  # ops without a `dtype` kernel (runtime.check)
         losses, expected = plan_reference(plan, config, read_checkpoint(opts.resume) if opts.resume else None)
-    half = reference_dtype(plan) if config.dtype is None else None  # the policy's stand-in on one device
-    judged = str(half).removeprefix("torch.") if half is not None else dtype
+    own = config.dtype is None  # the plan's own run (a twin has no policy)
+    half = reference_dtype(plan) if own else None  # the policy's stand-in on one device
+    autocast = str(half).removeprefix("torch.") if half is not None else ""
+    reduce = plan.precision_policy().reduce_dtype if own else "float32"
+    rounded = {"gradient reduction": reduce} if reduce != "float32" else {}  # sums rounded to it in the run
+    judged = lowest_dtype(autocast or dtype, rounded)
     tolerances = dtype_tolerances(judged, opts.train.optimizer, opts.train.lr, opts.steps - run.get("first_step", 0),
                                   opts.tolerance, lowered)
-    policy = plan.precision_policy().describe() if half is not None else ""
+    policy = plan.precision_policy().describe() if judged != dtype or autocast else ""
     return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances,
-                   lowered, policy, judged if half is not None else "")
+                   lowered, policy, judged if policy else "", autocast)
 
 
 @dataclass(frozen=True)

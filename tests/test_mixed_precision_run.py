@@ -210,6 +210,19 @@ def test_run_check_of_a_bf16_plan_says_what_it_compared(tmp_path) -> None:
     assert "within bfloat16 tolerance" in text and "float64:" in text and ": OK" in text, text[-3000:]
 
 
+def test_run_check_of_a_plan_reducing_in_bf16_says_so(tmp_path) -> None:
+    """`hetsynth run --check` of a float32 plan made with --reduce-dtype bfloat16: the run against
+    float32 on one device at bfloat16's tolerances, said in the line; the float64 twin decides."""
+    plan = tmp_path / "reduce.json"
+    made = _cli("plan", "--model", REF, "--cluster", str(CLUSTER), "--reduce-dtype", "bfloat16", "-o", str(plan))
+    assert made.returncode == 0, made.stderr[-2000:]
+    done = _cli("run", str(plan), "--steps", "3", "--check", cwd=tmp_path)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert "gradients reduced in bfloat16, against float32 on one device, at bfloat16's tolerances" in text, text[-3000:]
+    assert "within bfloat16 tolerance" in text and "float64:" in text and ": OK" in text, text[-3000:]
+
+
 def test_run_with_an_overflow_on_one_rank_skips_that_step(tmp_path) -> None:
     """`hetsynth run` of an fp16 plan, HETSYNTH_FAULT=2:1:overflow: step 2's update is skipped
     on every rank and the scale halves; the run goes on."""
