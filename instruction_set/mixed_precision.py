@@ -10,8 +10,9 @@ Micikevicius et al., "Mixed Precision Training", ICLR 2018; torch FSDP2's MixedP
 - gradients are reduced across devices in `reduce_dtype`: float32, or bfloat16 where the user
   asks (FSDP2's `reduce_dtype`, torchtitan's `mixed_precision_reduce`): each gradient is cast
   to bfloat16 for the collective and the sum cast back into the float32 gradient the optimizer
-  reads, so gradient traffic is half (the cost model's `reduce_scale`); the sum is rounded to
-  bfloat16's 8 significant bits on the way (a tolerance, not exactness);
+  reads (a weight synchronised by sufficient factors gathers them in bfloat16), so gradient
+  traffic is half (the cost model's `reduce_scale`); the sum is rounded to bfloat16's 8
+  significant bits on the way (a tolerance, not exactness);
 - a kind computing in float16 scales the loss (`loss_scaling`: dynamic loss scaling, one scale
   agreed across ranks, an overflow on any rank skips the step on every rank); bfloat16 has
   float32's exponent range and needs none.

@@ -28,8 +28,9 @@ def sfb_cost(pb: Problem, weight: str, linear: str, variant: str, shares: Sequen
     x = pb.graph.node(linear).inputs[0]
     out_f, in_f = pb.meta(weight).shape
     tokens = pb.meta(x).numel // in_f
-    gather = (pb.comm.cost("all_gather", variant, pb.meta(x).nbytes, at=shares)
-              + pb.comm.cost("all_gather", variant, pb.meta(linear).nbytes, at=shares))
+    scale = pb.graph.grad_reduce_scale  # the factors travel as the gradients would (runtime.sfb)
+    gather = (pb.comm.cost("all_gather", variant, pb.meta(x).nbytes * scale, at=shares)
+              + pb.comm.cost("all_gather", variant, pb.meta(linear).nbytes * scale, at=shares))
     flops = 2.0 * tokens * in_f * out_f
     rebuild = flops_cost(flops, pb.kinds, sharded=False) + flops_cost(flops, pb.kinds, sharded=True).scaled(-1.0)
     return gather + rebuild

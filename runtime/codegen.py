@@ -262,7 +262,7 @@ class _Emitter:
         s = span(self.plan, self.groups, x, layout, "all")
         s = type(s)(s.group, s.members, s.index, 0, tuple(tokens))
         name = f"sfb_{node.name}"
-        self.root.add_module(name, SFBLinearModule(s, sfb.variant))
+        self.root.add_module(name, SFBLinearModule(s, sfb.variant, gradient_wire(self.plan)))
         return self.graph.call_module(name, tuple(values))
 
     def conversion(self, ins: Instruction) -> None:

@@ -6,7 +6,8 @@ autocast around its forward passes and the run's one loss scaler.
   device under autocast. Parameters stay float32: they are the master weights the optimizer
   updates, their gradients come out float32 and are reduced in float32, or in bfloat16 where
   the policy asks (gradient_wire: each gradient, or bucket, cast for its collective and the
-  sum cast back: the grad-sync buckets, ZeRO-3's reduce-scatters, a pipeline's syncs).
+  sum cast back: the grad-sync buckets, ZeRO-3's reduce-scatters, a pipeline's syncs; SFB's
+  factors likewise, runtime.sfb).
 - What crosses ranks inside the program travels in one dtype on every rank (wire_dtype): an
   activation in the 16-bit type every kind computes in, or in the plan's dtype when kinds
   compute in different ones (bfloat16 and float16 do not convert into each other without
