@@ -35,9 +35,8 @@ from torch.distributed.fsdp import fully_shard
 
 from hetsynth.instruction_set.models import ModelSpec
 from hetsynth.runtime.config import TrainConfig
-from hetsynth.runtime.emulation import host_memory
 from hetsynth.runtime.ddp import DDPSetupError, DDPTrainer
-from hetsynth.runtime.train import make_optimizer
+from hetsynth.runtime.train import host_built, make_optimizer
 
 
 def even_rows(batch: int, world: int) -> list[int]:
@@ -84,9 +83,7 @@ def fsdp_setup(spec: ModelSpec, rows: Sequence[int], config: TrainConfig, *, gro
         raise DDPSetupError(f"rows {list(rows)} name {len(rows)} ranks; the group has {world}")
     mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(config.seed)
-    with host_memory():  # the whole model on the host; fully_shard copies each rank's shards
-        model = spec.build("cpu")
-    model = shard_units(model, mesh, checkpoint=checkpoint)
+    model = shard_units(host_built(spec), mesh, checkpoint=checkpoint)  # fully_shard copies each rank's shards
     optimizer = make_optimizer(list(model.parameters()), config)
     return DDPTrainer(model, optimizer, spec, rows, weighted, config, group, rank, torch.device("cpu"))
 

@@ -128,20 +128,24 @@ def initial_state(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], 
     """full_state and the names of the parameters among its entries (from the same module:
     a user's factory is not run again, on the meta device, to learn them)."""
     torch.manual_seed(seed)
-    with host_memory():  # built whole on the host; each rank places its part (runtime.emulation)
-        module = spec.build("cpu")
+    module = host_built(spec)  # each rank places its part
     params = dict(module.named_parameters(remove_duplicate=False))
     state = params | dict(module.named_buffers(remove_duplicate=False))
     return {k: v.detach() for k, v in state.items()}, set(params)
 
 
-def build_on_host(spec: ModelSpec, device: torch.device | str) -> torch.nn.Module:
-    """The whole model built on the host (runtime.emulation.host_memory) and placed on `device`:
-    a copy of every parameter and buffer, as `.to("cuda")` makes, also on the CPU (where
-    `.to("cpu")` would return the host's tensors themselves) so the device holds its own."""
+def host_built(spec: ModelSpec) -> torch.nn.Module:
+    """The whole model from its factory, built in the host's memory, not the device's
+    (runtime.emulation.host_memory)."""
     with host_memory():
-        module = spec.build("cpu")
-    placed = module.to(device)
+        return spec.build("cpu")
+
+
+def build_on_host(spec: ModelSpec, device: torch.device | str) -> torch.nn.Module:
+    """host_built(spec) placed on `device`: a copy of every parameter and buffer, as
+    `.to("cuda")` makes, also on the CPU (where `.to("cpu")` would return the host's tensors
+    themselves) so the device holds its own."""
+    placed = host_built(spec).to(device)
     if torch.device(device).type == "cpu":
         for t in (*placed.parameters(), *placed.buffers()):
             t.data = t.data.clone()
