@@ -1,11 +1,13 @@
 """Memory per device: parameters with their gradients and Adam state, and saved activations.
 
-    memory_i = state_i + saved_i
+    memory_i = state_i + saved_i + working_i
     state_i  = sum_params bytes_p * (1 param + 1 grad + 2 Adam moments) * s_p,i
              (a ZeRO-1 parameter: bytes_p * (2 + 2 q_i), q_i the device's state ratio;
               ZeRO-2: bytes_p * (1 + 3 q_i), the gradient on the rows too; ZeRO-3: bytes_p * 4 q_i,
               the parameter too, plus its whole bytes twice (W and dW) while one use runs)
     saved_i  = sum_ops sum_{t saved by op} bytes_t * s_t,i     (tensors kept for the backward pass)
+    working_i = max_ops sum_{t read or written by op} bytes_t * s_t,i + ZeRO-3's largest gathered
+             parameter twice   (transients: planner.step_cost.op_working_set, zero3_working_set)
 
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
 al., ZeRO, SC'20, count 16 bytes per parameter for mixed-precision Adam; we keep the model's
@@ -15,8 +17,8 @@ and the activations count at the widths autocast gives them, cost_models.precisi
 scales with the layout the op's rule gives it, a buffer of the op's own (a mask, a
 logsumexp) with the rule's share. A graph captured without the probe falls back to the
 outputs of non-view ops through which a gradient flows (an upper bound).
-`MemoryTerm.part` keeps the two sums apart (and a third, transient working sets such as
-ZeRO-3's gathered parameter, counted in the total only) (the plan's prediction reports both;
+`MemoryTerm.part` keeps the two sums apart (and a third, the transient working sets,
+counted in the total only) (the plan's prediction reports both;
 runtime.memory_report checks them against a run).
 """
 
@@ -42,7 +44,8 @@ class MemoryTerm:
     fixed: tuple[float, ...]
     per_share: tuple[float, ...]
     part: Literal["state", "saved", "working"] = "saved"  # training state, tensors saved for backward, or a
-    # transient working set (ZeRO-3's gathered parameter and its gradient during one use): in the total only
+    # transient working set (the largest op's inputs and output, ZeRO-3's gathered parameter and its gradient
+    # during one use): in the total only
 
     def per_device(self, shares: Sequence[float]) -> list[float]:
         return [f + p * s for f, p, s in zip(self.fixed, self.per_share, shares)]

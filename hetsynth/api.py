@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Sequence
 
 import torch
@@ -39,7 +40,7 @@ def capture_model(model: str | nn.Module, example_inputs: Sequence[torch.Tensor]
 
 
 def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None = None,
-         cluster: ClusterSpec | str | None = None, *, batch_size: int | None = None,
+         cluster: ClusterSpec | str | os.PathLike | None = None, *, batch_size: int | None = None,
          num_devices: int | None = None, ratios: Sequence[float] | None = None,
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
@@ -79,7 +80,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         raise ValueError(f"zero {zero!r}: use one of {', '.join(ZERO_CHOICES)}")
     if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb * 2**20 >= 1):
         raise ValueError(f"bucket cap {bucket_mb} MiB: must be a finite number of at least one byte (2**-20 MiB)")
-    spec = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    spec = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
     if num_devices is not None:
         spec = spec.first(num_devices)
     policy = choose_policy(spec, precision, reduce_dtype)  # a kind without the precision asked for fails before capture

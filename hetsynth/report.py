@@ -176,6 +176,9 @@ def _memory_line(plan: Plan) -> str:
     d = max(plan.predicted.devices, key=lambda d: d.memory_gib)
     split = (f"{d.state_gib:.2f} GiB parameters, gradients and optimizer state, {d.saved_gib:.2f} GiB saved "
              f"for backward" if d.state_gib is not None and d.saved_gib is not None else "no split recorded")
+    if d.working_gib:
+        amount = f"{d.working_gib:.2f} GiB" if d.working_gib >= 0.1 else f"{d.working_gib * 1024:.1f} MiB"
+        split += f", {amount} transient (the largest op's inputs and output; ZeRO-3's gathered parameter)"
     units = recomputed_units(plan.instructions)
     found = len(recompute_units(plan.graph, plan.instructions)) if units else 0
     used = f"recomputes {len(units)} of {found} blocks ({units[0].name} ...)" if units else "no recomputation"

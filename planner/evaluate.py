@@ -143,12 +143,13 @@ def predict(pb: Problem, terms: Sequence[Term]) -> Prediction:
         comm += exposed(t.time, Category.COMMUNICATION)
     memory = memory_bytes(pb.width, terms)
     state, saved = memory_bytes(pb.width, terms, "state"), memory_bytes(pb.width, terms, "saved")
+    working = memory_bytes(pb.width, terms, "working")
     caps = [k.memory_gib for k in pb.kinds]
     of = pb.devices.of_rank
     devices = tuple(
         DevicePrediction(name=d.name, kind=d.kind, ratio=pb.ratios[i], compute_s=compute[of[i]],
                          communication_s=comm, memory_gib=memory[of[i]] / GIB, memory_capacity_gib=caps[of[i]],
-                         state_gib=state[of[i]] / GIB, saved_gib=saved[of[i]] / GIB)
+                         state_gib=state[of[i]] / GIB, saved_gib=saved[of[i]] / GIB, working_gib=working[of[i]] / GIB)
         for i, d in enumerate(pb.cluster.devices))
     total = step_time(terms)
     return Prediction(step_time_s=total, compute_s=total - comm, communication_s=comm,

@@ -183,10 +183,53 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         if ahead is not None or memory is not None:
             forward.append(Term(ahead if ahead is not None else Series(()), memory,
                                 term.memory_at if memory is not None else None))
-    working = zero3_working_set(pb, program)
-    if working is not None:
-        forward.append(Term(Series(()), working, Shares((1.0,) * pb.width, ShareKind.NONE)))
+    for working in (zero3_working_set(pb, program), op_working_set(pb, program)):
+        if working is not None:
+            forward.append(Term(Series(()), working, Shares((1.0,) * pb.width, ShareKind.NONE)))
     return forward, backward, post
+
+
+def _live_bytes(pb: Problem, ins: Instruction) -> list[float]:
+    """Bytes on each device that must be live at once while `ins` runs: the activations it
+    reads, in the layouts it reads them (a fused ag_matmul's gathered input), and what it
+    writes. Parameters, buffers and gradients are training state, counted there (a gradient's
+    all-reduce runs in place in its bucket)."""
+    state = ("param", "buffer")
+    if ins.runs_op:
+        node = pb.graph.node(ins.node)
+        read = [(name, layout) for name, layout in zip(node.inputs, ins.inputs) if pb.graph.node(name).op not in state]
+    elif ins.kind in COLLECTIVES and ins.src is not None and pb.graph.node(ins.tensor).op not in state:
+        read = [(ins.tensor, ins.src)]
+    else:
+        return [0.0] * pb.width
+    total = [0.0] * pb.width
+    for name, layout in (*read, (ins.tensor, ins.layout)):
+        nbytes = float(pb.meta(name).nbytes)
+        for i, share in enumerate(pb.shares(name, layout)):
+            total[i] += nbytes * share
+    return total
+
+
+def op_working_set(pb: Problem, program: Sequence[Instruction]) -> MemoryTerm | None:
+    """The largest working set of one instruction, per device: on top of the state and the
+    tensors saved for the backward pass, the step holds at some point an op's inputs and output
+    together, neither of which need be saved (the logits an all-gather makes whole for a
+    softmax's maximum, a fused matmul's gathered input):
+
+        working_i = max_v sum_{t read or written by v} bytes_t * sigma_t,i
+
+    at the problem's ratios (sigma_t,i: t's share on device i in the layout v reads or writes it;
+    1 for whole tensors). A transient, in the total memory only, and a constant for the ratio LP
+    (the largest op can change with the ratios; the prediction re-evaluates it at the plan's). A
+    lower bound on the transient peak: what the op's kernel allocates inside, and an earlier
+    activation still awaiting its last forward use, are not counted."""
+    best = [0.0] * pb.width
+    for ins in program:
+        for i, b in enumerate(_live_bytes(pb, ins)):
+            best[i] = max(best[i], b)
+    if not any(best):
+        return None
+    return MemoryTerm(tuple(best), (0.0,) * pb.width, "working")
 
 
 def zero3_working_set(pb: Problem, program: Sequence[Instruction]) -> MemoryTerm | None:

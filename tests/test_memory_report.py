@@ -18,8 +18,10 @@ from hetsynth.instruction_set.plan import Plan
 from hetsynth.planner.planner import make_plan
 from hetsynth.planner.problem import Restrictions
 from hetsynth.runtime.config import TrainConfig
+from hetsynth.report import plan_summary_text
 from hetsynth.runtime.memory_report import SavedTensorMeter, format_report, relative_error
 
+GIB = 2**30
 CLUSTER = Path(__file__).resolve().parents[1] / "configs" / "clusters" / "local-emulated.toml"
 
 
@@ -107,3 +109,29 @@ def test_a_saved_tensor_scales_with_its_own_layout() -> None:
     # where the op has no rows
     plain = activation_memory(node, inputs, output, 3)  # without shares: the op's share for every split tensor
     assert plain.per_device((0.25, 0.15, 0.0)) == pytest.approx([saved.nbytes * s for s in (0.25, 0.15, 0.0)])
+
+
+def test_the_largest_ops_inputs_and_output_count_at_the_peak() -> None:
+    """A linear widening 16 features to 4096 whose output only a sum reads: the linear saves its
+    input, not its output, yet input and output are live at once while it runs. The data-parallel
+    plan's working set on each device is exactly those rows of both, and the predicted peak is
+    state + saved + working."""
+    import hetsynth
+    from torch import nn
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 4096)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    plan = hetsynth.plan(Wide(), (torch.randn(64, 16),), cluster=CLUSTER, data_parallel=True)
+    for d in plan.predicted.devices:
+        rows = d.saved_gib * GIB / (16 * 4)  # the linear saves its input's rows, float32
+        assert rows == round(rows) and abs(rows - 64 * d.ratio) < 1  # whole rows, near the ratio's
+        assert d.working_gib * GIB == pytest.approx(rows * (16 + 4096) * 4)  # those rows of input and output
+        assert d.memory_gib == pytest.approx(d.state_gib + d.saved_gib + d.working_gib)
+    assert "transient (the largest op's inputs and output" in plan_summary_text(plan)
+    assert len({d.working_gib for d in plan.predicted.devices}) > 1  # the ratios differ, so do the rows

@@ -130,7 +130,11 @@ def test_bf16_and_fp16_kinds_in_one_run(pools, zero: int | None) -> None:
     fp32 = single_device(data, None)
     for step, (a, b) in enumerate(zip(results[0]["losses"], fp32)):
         assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: {a} against float32's {b}"
-    assert all(r["moved"] == [True] * STEPS for r in results)
+    # no step skipped: every rank that updates rows moved them at every step (under ZeRO a rank without state
+    # rows, here where the memory-balanced state ratios leave a fast device none, moves by the next gather)
+    holders = [rank for rank in range(4) if plan.state_shards is None
+               or any(rows[rank] for rows in plan.state_shards.rows.values())]
+    assert holders and all(results[rank]["moved"] == [True] * STEPS for rank in holders)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pools) -> None:
