@@ -6,9 +6,10 @@ other workers every period, and how much that costs depends on the model and the
 (on a quarter CPU, VGG runs 5.8x slower than on this machine alone, where the matmul rates
 say 4.6x; GPT and BERT within 3% of what the rates say). HAP profiles its ops on every device
 type; this does the same for the whole model: every device trains its rows of the batch,
-split in proportion to the profiled throughputs, forward and backward, all devices at once
-(so that they contend as in training); this machine then trains the same rows alone, and each
-device kind's factor is
+split in proportion to the profiled throughputs, forward and backward, all devices in lock-step
+(each step starts on every device at once and the fast ones wait for the slowest, so that they
+contend as in a synchronous training step: lockstep_seconds); this machine then trains the same
+rows alone, and each device kind's factor is
 
     scale_k = mean over devices i of kind k of  seconds_i / reference_seconds(rows_i)
 
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,9 +73,46 @@ def device_rows(cluster: ClusterSpec, batch: int) -> list[int]:
     return largest_remainder(proportional(cluster), batch)
 
 
+SAMPLE_S = 0.05  # a timed sample spans at least this: five of the emulation's 10 ms CPU-quota periods
+
+
+def lockstep_seconds(module: torch.nn.Module, inputs: list[torch.Tensor] | None, seconds: float) -> float:
+    """This device's seconds of the model's forward and backward on its rows, timed in samples
+    that every device starts together (a barrier before each), as a synchronous training step
+    does: a device that finishes early waits, idle, for the slowest. All devices running their
+    rows free, back to back, kept every device busy for the whole timing, which is more
+    contention than training has: the slow devices of local-emulated.toml timed 4.8x this
+    machine for GPT small-cpu, the fast ones 2.15x, and the plans' steps were predicted 10-15%
+    long (276 ms for 237 measured). A sample is k steps, k the least that makes the slowest
+    device's sample last SAMPLE_S: a device under a CPU quota runs until its quota for the
+    period is spent and waits out the rest, so a sample shorter than a few periods may or may not
+    pay for that wait. The median over samples (at least 5, about 3 `seconds` of the slowest
+    device's time; the counts agreed by an all-reduce, so that every device takes as many
+    barriers), per step. 0.0 for a device without rows (it only keeps step)."""
+    def step() -> None:
+        if inputs is not None:
+            module(*inputs).backward()
+            module.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    longest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    per_sample = max(1, math.ceil(SAMPLE_S / max(float(longest), 1e-6)))
+    samples = []
+    for _ in range(max(5, math.ceil(3 * seconds / (per_sample * max(float(longest), 1e-6))))):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(per_sample):
+            step()
+        samples.append((time.perf_counter() - start) / per_sample)
+    return statistics.median(samples) if inputs is not None else 0.0
+
+
 def time_rows(rank: int, args: argparse.Namespace) -> None:
     from hetsynth.instruction_set.models import parse_model_ref
-    from hetsynth.profiling.op_profile import model_seconds
 
     cluster = load_cluster(args.cluster)
     spec = parse_model_ref(args.model)
@@ -81,8 +121,7 @@ def time_rows(rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     module = spec.build("cpu")
     inputs = spec.make_batch(range(start, start + mine), seed=1) if mine > 0 else None
-    dist.barrier()  # every device times at once
-    seconds = model_seconds(module, inputs, args.seconds) if inputs is not None else 0.0
+    seconds = lockstep_seconds(module, inputs, args.seconds)
     device = cluster.devices[rank]
     record = {"name": device.name, "kind": device.kind, "rows": mine, "batch": spec.batch_size, "seconds": seconds}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -96,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--cluster", required=True)
     p.add_argument("--output", required=True)
-    p.add_argument("--seconds", type=float, default=1.0, help="time per sustained measurement (three are taken)")
+    p.add_argument("--seconds", type=float, default=1.0, help="the timing takes about three times this (lockstep_seconds)")
     args = p.parse_args(argv)
     return run_rank(lambda rank, device: time_rows(rank, args), timeout_s=600, device=torch.device("cpu"))
 
