@@ -6,8 +6,9 @@
               ZeRO-2: bytes_p * (1 + 3 q_i), the gradient on the rows too; ZeRO-3: bytes_p * 4 q_i,
               the parameter too, plus its whole bytes twice (W and dW) while one use runs)
     saved_i  = sum_ops sum_{t saved by op} bytes_t * s_t,i     (tensors kept for the backward pass)
-    working_i = max_ops sum_{t read or written by op} bytes_t * s_t,i + ZeRO-3's largest gathered
-             parameter twice   (transients: planner.step_cost.op_working_set, zero3_working_set)
+    working_i = max_ops sum_{t read or written by op, saved by none} bytes_t * s_t,i + ZeRO-3's
+             largest gathered parameter twice   (transients: planner.step_cost.op_working_set,
+             zero3_working_set)
 
 with s = 1 for replicated tensors and the device's share for sharded ones (Rajbhandari et
 al., ZeRO, SC'20, count 16 bytes per parameter for mixed-precision Adam; we keep the model's
@@ -44,7 +45,7 @@ class MemoryTerm:
     fixed: tuple[float, ...]
     per_share: tuple[float, ...]
     part: Literal["state", "saved", "working"] = "saved"  # training state, tensors saved for backward, or a
-    # transient working set (the largest op's inputs and output, ZeRO-3's gathered parameter and its gradient
+    # transient working set (one op's unsaved inputs and output, ZeRO-3's gathered parameter and its gradient
     # during one use): in the total only
 
     def per_device(self, shares: Sequence[float]) -> list[float]:
@@ -84,7 +85,8 @@ def _split_layout(saved: SavedTensor, inputs: Sequence[Layout], output: Layout) 
     return any(l.is_shard for l in (output, *inputs))
 
 
-def _saved_name(node: Node, saved: SavedTensor) -> str:
+def saved_name(node: Node, saved: SavedTensor) -> str:
+    """The graph tensor a saved input or output is (the op's own name for its internal buffers)."""
     return node.inputs[saved.index] if saved.source == "input" and saved.index < len(node.inputs) else node.name
 
 
@@ -114,7 +116,7 @@ def activation_memory(node: Node, inputs: Sequence[Layout], output: Layout, n: i
         elif layout is True or share_of is None or rule_shares is None:
             per_share = [p + t.nbytes for p in per_share]
         else:
-            for i, (sigma, s) in enumerate(zip(share_of(_saved_name(node, t), layout), rule_shares)):
+            for i, (sigma, s) in enumerate(zip(share_of(saved_name(node, t), layout), rule_shares)):
                 per_share[i] += t.nbytes * (sigma / s if s > 0 else 1.0)
     if rule_shares is not None:
         fixed = [f if s > 0 else 0.0 for f, s in zip(fixed, rule_shares)]

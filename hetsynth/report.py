@@ -171,6 +171,11 @@ def _state_rows_lines(plan: Plan) -> list[str]:
     return ["", table(body, ["devices", "ZeRO state rows", "state on rows GiB", "memory GiB"])]
 
 
+def _zero3_text(plan: Plan) -> str:
+    has_zero3 = any(i.kind == "param" and i.state == TrainingState.ZERO3 for i in plan.instructions)
+    return "; ZeRO-3's gathered parameter" if has_zero3 else ""
+
+
 def _memory_line(plan: Plan) -> str:
     """What the memory holds on the fullest device, and the techniques the plan uses to fit."""
     d = max(plan.predicted.devices, key=lambda d: d.memory_gib)
@@ -178,7 +183,7 @@ def _memory_line(plan: Plan) -> str:
              f"for backward" if d.state_gib is not None and d.saved_gib is not None else "no split recorded")
     if d.working_gib:
         amount = f"{d.working_gib:.2f} GiB" if d.working_gib >= 0.1 else f"{d.working_gib * 1024:.1f} MiB"
-        split += f", {amount} transient (the largest op's inputs and output; ZeRO-3's gathered parameter)"
+        split += f", {amount} transient (one op's unsaved inputs and output at once{_zero3_text(plan)})"
     units = recomputed_units(plan.instructions)
     found = len(recompute_units(plan.graph, plan.instructions)) if units else 0
     used = f"recomputes {len(units)} of {found} blocks ({units[0].name} ...)" if units else "no recomputation"

@@ -96,8 +96,8 @@ class DevicePrediction(_Frozen):
     state_gib: float | None = Field(default=None, description="of memory_gib: parameters, gradients and "
                                     "optimizer state (None in plans written before the split was recorded)")
     saved_gib: float | None = Field(default=None, description="of memory_gib: tensors saved for backward")
-    working_gib: float | None = Field(default=None, description="of memory_gib: the largest transient working set "
-                                      "(one op's inputs and output, ZeRO-3's gathered parameter)")
+    working_gib: float | None = Field(default=None, description="of memory_gib: transients, one op's unsaved inputs "
+                                      "and output at once plus ZeRO-3's gathered parameter (planner.step_cost)")
 
 
 class Prediction(_Frozen):

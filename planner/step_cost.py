@@ -55,8 +55,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from hetsynth.cost_models.compute import FREE_OPS
 from hetsynth.cost_models.linear_cost import LinearCost
-from hetsynth.cost_models.memory import MemoryTerm
+from hetsynth.cost_models.memory import MemoryTerm, saved_name
 from hetsynth.cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
 from hetsynth.instruction_set.kinds import Category, Phase
 from hetsynth.instruction_set.kinds import kind as instruction_kind
@@ -189,21 +190,31 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
     return forward, backward, post
 
 
-def _live_bytes(pb: Problem, ins: Instruction) -> list[float]:
-    """Bytes on each device that must be live at once while `ins` runs: the activations it
-    reads, in the layouts it reads them (a fused ag_matmul's gathered input), and what it
-    writes. Parameters, buffers and gradients are training state, counted there (a gradient's
-    all-reduce runs in place in its bucket)."""
+def saved_names(pb: Problem) -> frozenset[str]:
+    """The tensors some op saves for the backward pass (an input or an output; counted in the
+    saved part from the op that saves them to the backward)."""
+    return frozenset(saved_name(node, t) for node in pb.graph.calls for t in node.saved or () if t.source != "internal")
+
+
+def _unsaved_bytes(pb: Problem, ins: Instruction, saved: frozenset[str]) -> list[float]:
+    """Bytes on each device of the tensors `ins` reads and writes, live at once while it runs,
+    that nothing else counts: activations in the layouts it reads them (a fused ag_matmul's
+    gathered input) and what it writes, but not the tensors some op saves (the saved part),
+    parameters, buffers and gradients (state; a gradient's all-reduce runs in place in its
+    bucket), nor a view's output (its input's storage)."""
     state = ("param", "buffer")
     if ins.runs_op:
         node = pb.graph.node(ins.node)
         read = [(name, layout) for name, layout in zip(node.inputs, ins.inputs) if pb.graph.node(name).op not in state]
+        written = [] if node.target in FREE_OPS else [(ins.tensor, ins.layout)]
     elif ins.kind in COLLECTIVES and ins.src is not None and pb.graph.node(ins.tensor).op not in state:
-        read = [(ins.tensor, ins.src)]
+        read, written = [(ins.tensor, ins.src)], [(ins.tensor, ins.layout)]
     else:
         return [0.0] * pb.width
     total = [0.0] * pb.width
-    for name, layout in (*read, (ins.tensor, ins.layout)):
+    for name, layout in (*read, *written):
+        if name in saved:
+            continue
         nbytes = float(pb.meta(name).nbytes)
         for i, share in enumerate(pb.shares(name, layout)):
             total[i] += nbytes * share
@@ -211,21 +222,23 @@ def _live_bytes(pb: Problem, ins: Instruction) -> list[float]:
 
 
 def op_working_set(pb: Problem, program: Sequence[Instruction]) -> MemoryTerm | None:
-    """The largest working set of one instruction, per device: on top of the state and the
-    tensors saved for the backward pass, the step holds at some point an op's inputs and output
-    together, neither of which need be saved (the logits an all-gather makes whole for a
-    softmax's maximum, a fused matmul's gathered input):
+    """The largest transient of one instruction, per device: on top of the state and the
+    tensors saved for the backward pass (all counted as held at once), an op holds its inputs
+    and output together while it runs, and those that no op saves are counted nowhere else (the
+    logits an all-gather makes whole for a softmax's maximum, a fused matmul's gathered input):
 
-        working_i = max_v sum_{t read or written by v} bytes_t * sigma_t,i
+        working_i = max_v sum_{t read or written by v, t not saved} bytes_t * sigma_t,i
 
     at the problem's ratios (sigma_t,i: t's share on device i in the layout v reads or writes it;
-    1 for whole tensors). A transient, in the total memory only, and a constant for the ratio LP
-    (the largest op can change with the ratios; the prediction re-evaluates it at the plan's). A
-    lower bound on the transient peak: what the op's kernel allocates inside, and an earlier
-    activation still awaiting its last forward use, are not counted."""
+    1 for whole tensors; a view's output is its input's storage, 0). A transient, in the total
+    memory only, and a constant for the ratio LP (the largest op can change with the ratios; the
+    prediction re-evaluates it at the plan's). Not counted: what an op's kernel allocates inside,
+    an earlier activation still awaiting its last use, and the saved tensors of recomputed blocks
+    (their forward runs again in the backward, beside the gradients)."""
+    saved = saved_names(pb)
     best = [0.0] * pb.width
     for ins in program:
-        for i, b in enumerate(_live_bytes(pb, ins)):
+        for i, b in enumerate(_unsaved_bytes(pb, ins, saved)):
             best[i] = max(best[i], b)
     if not any(best):
         return None

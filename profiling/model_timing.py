@@ -73,22 +73,26 @@ def device_rows(cluster: ClusterSpec, batch: int) -> list[int]:
     return largest_remainder(proportional(cluster), batch)
 
 
-SAMPLE_S = 0.05  # a timed sample spans at least this: five of the emulation's 10 ms CPU-quota periods
+PERIODS_PER_SAMPLE = 5  # a timed sample spans at least this many of the emulation's CPU-quota periods
 
 
-def lockstep_seconds(module: torch.nn.Module, inputs: list[torch.Tensor] | None, seconds: float) -> float:
-    """This device's seconds of the model's forward and backward on its rows, timed in samples
-    that every device starts together (a barrier before each), as a synchronous training step
-    does: a device that finishes early waits, idle, for the slowest. All devices running their
-    rows free, back to back, kept every device busy for the whole timing, which is more
-    contention than training has: the slow devices of local-emulated.toml timed 4.8x this
-    machine for GPT small-cpu, the fast ones 2.15x, and the plans' steps were predicted 10-15%
-    long (276 ms for 237 measured). A sample is k steps, k the least that makes the slowest
-    device's sample last SAMPLE_S: a device under a CPU quota runs until its quota for the
-    period is spent and waits out the rest, so a sample shorter than a few periods may or may not
-    pay for that wait. The median over samples (at least 5, about 3 `seconds` of the slowest
-    device's time; the counts agreed by an all-reduce, so that every device takes as many
-    barriers), per step. 0.0 for a device without rows (it only keeps step)."""
+def lockstep_seconds(module: torch.nn.Module, inputs: list[torch.Tensor] | None, seconds: float,
+                     sample_s: float) -> float:
+    """This device's seconds of the model's forward and backward on its rows, timed as a
+    synchronous training step runs it:
+
+        t_i = median over samples s of (seconds of sample s on device i) / k
+
+    every sample started on all devices at once (a barrier), so a device that finishes early
+    waits, idle, for the slowest, as in training; devices running their rows free, back to back,
+    would all be busy for the whole timing, more contention than a step has (on
+    local-emulated.toml it made GPT small-cpu's slow devices 4.8x this machine and the predicted
+    steps 10-15% long). A sample is k steps, k the least that makes the slowest device's sample
+    last `sample_s` (a few CPU-quota periods: a device under a quota runs until its quota for
+    the period is spent and waits out the rest, so a shorter sample may or may not pay that
+    wait). At least 5 samples and about 3 `seconds` of the slowest device's time; the counts are
+    agreed by an all-reduce, so that every device takes as many barriers. 0.0 for a device
+    without rows (it only keeps step)."""
     def step() -> None:
         if inputs is not None:
             module(*inputs).backward()
@@ -100,7 +104,7 @@ def lockstep_seconds(module: torch.nn.Module, inputs: list[torch.Tensor] | None,
     step()
     longest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    per_sample = max(1, math.ceil(SAMPLE_S / max(float(longest), 1e-6)))
+    per_sample = max(1, math.ceil(sample_s / max(float(longest), 1e-6)))
     samples = []
     for _ in range(max(5, math.ceil(3 * seconds / (per_sample * max(float(longest), 1e-6))))):
         dist.barrier()
@@ -121,7 +125,8 @@ def time_rows(rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     module = spec.build("cpu")
     inputs = spec.make_batch(range(start, start + mine), seed=1) if mine > 0 else None
-    seconds = lockstep_seconds(module, inputs, args.seconds)
+    period_s = (cluster.emulation.period_us if cluster.emulation is not None else 10_000) / 1e6
+    seconds = lockstep_seconds(module, inputs, args.seconds, PERIODS_PER_SAMPLE * period_s)
     device = cluster.devices[rank]
     record = {"name": device.name, "kind": device.kind, "rows": mine, "batch": spec.batch_size, "seconds": seconds}
     gathered = [None] * dist.get_world_size() if rank == 0 else None

@@ -154,7 +154,7 @@ def _tiny_memory_cluster(path, memory_gib: float) -> str:
 
 @pytest.mark.slow
 def test_plan_tries_stages_when_no_spmd_plan_fits(tmp_path, capsys):
-    """gpt:tiny on two devices of 0.00033 GiB: no SPMD program fits (0.000457 GiB on a device
+    """gpt:tiny on two devices of 0.00033 GiB: no SPMD program fits (0.000411 GiB on a device
     even with every block recomputed), a pipeline of one device per stage does; `hetsynth plan`
     without --stages says it tries stages and writes the pipeline. At 0.00028 GiB neither
     fits: error naming both, exit 2, nothing written."""
