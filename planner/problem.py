@@ -33,7 +33,7 @@ from hetsynth.cost_models.comm import CommModel, comm_mesh
 from hetsynth.cost_models.compute import Reference, compute_cost, update_cost
 from hetsynth.cost_models.device_classes import DeviceClasses, device_classes
 from hetsynth.cost_models.linear_cost import LinearCost
-from hetsynth.cost_models.memory import activation_memory, param_memory
+from hetsynth.cost_models.memory import activation_memory, param_memory, saved_name
 from hetsynth.cost_models.precision import costed
 from hetsynth.instruction_set.cluster import ClusterSpec, DeviceKind
 from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
@@ -246,6 +246,14 @@ class Problem:
             memo[node.name] = [p for ro in outer for ri in base if ro is not ri
                                for p in [product_rule(ro, ri)] if p is not None]
         return memo[node.name]
+
+    def saved_tensors(self) -> frozenset[str]:
+        """The tensors some op saves for the backward pass (an input or an output, not a buffer
+        of its own), found once per graph."""
+        if "saved" not in self._shared:
+            self._shared["saved"] = frozenset(saved_name(node, t) for node in self.order for t in node.saved or ()
+                                              if t.source != "internal")
+        return self._shared["saved"]
 
     # -- shares and costs -----------------------------------------------------------------
     def shares(self, tensor: str, layout: Layout) -> tuple[float, ...]:

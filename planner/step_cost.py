@@ -57,7 +57,7 @@ from typing import Sequence
 
 from hetsynth.cost_models.compute import FREE_OPS
 from hetsynth.cost_models.linear_cost import LinearCost
-from hetsynth.cost_models.memory import MemoryTerm, saved_name
+from hetsynth.cost_models.memory import MemoryTerm
 from hetsynth.cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
 from hetsynth.instruction_set.kinds import Category, Phase
 from hetsynth.instruction_set.kinds import kind as instruction_kind
@@ -190,12 +190,6 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
     return forward, backward, post
 
 
-def saved_names(pb: Problem) -> frozenset[str]:
-    """The tensors some op saves for the backward pass (an input or an output; counted in the
-    saved part from the op that saves them to the backward)."""
-    return frozenset(saved_name(node, t) for node in pb.graph.calls for t in node.saved or () if t.source != "internal")
-
-
 def _unsaved_bytes(pb: Problem, ins: Instruction, saved: frozenset[str]) -> list[float]:
     """Bytes on each device of the tensors `ins` reads and writes, live at once while it runs,
     that nothing else counts: activations in the layouts it reads them (a fused ag_matmul's
@@ -235,7 +229,7 @@ def op_working_set(pb: Problem, program: Sequence[Instruction]) -> MemoryTerm | 
     prediction re-evaluates it at the plan's). Not counted: what an op's kernel allocates inside,
     an earlier activation still awaiting its last use, and the saved tensors of recomputed blocks
     (their forward runs again in the backward, beside the gradients)."""
-    saved = saved_names(pb)
+    saved = pb.saved_tensors()
     best = [0.0] * pb.width
     for ins in program:
         for i, b in enumerate(_unsaved_bytes(pb, ins, saved)):

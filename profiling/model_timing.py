@@ -102,11 +102,12 @@ def lockstep_seconds(module: torch.nn.Module, inputs: list[torch.Tensor] | None,
     dist.barrier()
     start = time.perf_counter()
     step()
-    longest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    per_sample = max(1, math.ceil(sample_s / max(float(longest), 1e-6)))
+    slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    longest = max(float(slowest), 1e-6)
+    per_sample = max(1, math.ceil(sample_s / longest))
     samples = []
-    for _ in range(max(5, math.ceil(3 * seconds / (per_sample * max(float(longest), 1e-6))))):
+    for _ in range(max(5, math.ceil(3 * seconds / (per_sample * longest)))):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(per_sample):
