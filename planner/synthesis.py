@@ -66,6 +66,23 @@ input its kind, dim classes' units, liveness, batch dims and forced layout) and 
 facts with tensors replaced by their argument position, so the layers of a repeated block
 share one set of transitions, renamed for the node when the program is read back
 (planner.signature).
+
+Runs of blocks. A model whose search order holds a run of at least periodic.MIN_RUN equal
+blocks (planner.periodic: same structure and costs node for node, each reading the same
+shared tensors) is searched in parts: the nodes before the run, each block of the run, and
+the rest down to the goal. Each block is searched from the states reached at its start, at
+the first block's position (states renamed, costs relative to the least), until its width is
+exhausted; states one of which makes another pointless are dropped between blocks
+(_Search._undominated). Where two blocks start from the same states at the same relative
+costs, the second reuses the first's search, renamed: this is exact (the program and cost
+are those of searching every block, up to cost ties under 1e-11 s; `REUSE` False checks it).
+On a transformer the starts repeat after a few blocks, so a 32-block Llama costs the search
+of about eight. What is not exact is the comparison with the whole search, which
+interleaves depths in order of f and stops at the first goal: the two are different bounded
+searches of the same space, and the block search's program is as cheap or cheaper in the
+search's own cost on the models tests/test_block_search.py compares; the predicted step
+can still differ where the search's cost and the prediction disagree (a gradient all-reduce
+charged in full that the prediction overlaps).
 """
 
 from __future__ import annotations
@@ -81,6 +98,7 @@ from hetsynth.instruction_set.layouts import P, R, Layout
 from hetsynth.instruction_set.program import Instruction
 from hetsynth.planner.bounds import ChainBound
 from hetsynth.planner.facts import FactTable
+from hetsynth.planner.periodic import Run, find_run, translate
 from hetsynth.planner.problem import Problem
 from hetsynth.planner.signature import Signatures, actual_facts, canonical_facts, canonical_move, instantiate
 from hetsynth.planner.transitions import Fact, Move, moves
@@ -93,6 +111,7 @@ DEFAULT_WIDTH = 32
 HORIZON = 40  # nodes; facts of tensors read again later than this define a state's stratum
 MAX_STRATUM_READS = 3  # ... unless more nodes than this read the tensor (a per-layer input)
 MAX_STRATA = 4  # at most width * MAX_STRATA expansions per depth in all
+REUSE = True  # a block's search reused for another block with the same start (False: tests of exactness)
 
 
 class SearchError(RuntimeError):
@@ -201,13 +220,13 @@ class _Search:
         self.shared: dict[tuple, list[Move]] = {}
         self.added_ids: dict[tuple[int, frozenset[Fact]], tuple[frozenset[int], tuple]] = {}
         self.report = _Progress(progress, self.n)
-        self.expanded_at: dict[tuple[int, frozenset[int]], int] = {}
-        self.depth_total = [0] * (self.n + 1)
         self.depth_cap = width * MAX_STRATA
         self.long_lived = self._long_lived()
         self.h_memo: dict[tuple[int, frozenset[int]], float] = {}
         self.t_memo: dict[tuple[str, frozenset[Layout], int], tuple[float, float]] = {}
         self.exact = True
+        self.expanded = 0
+        self.shift = 0  # nodes between the block searched at the template and the one it is for
 
     def h(self, k: int, mask: frozenset[int]) -> float:
         held: dict[str, list[Layout]] = {}
@@ -280,43 +299,220 @@ class _Search:
     def stratum(self, k: int, mask: frozenset[int]) -> frozenset[int]:
         return self.F.restrict(mask, self.long_lived[k]) if self.long_lived[k] else frozenset()
 
-    def run(self) -> tuple[int, dict, dict]:
-        start = (0, frozenset())
-        g: dict[tuple[int, int], float] = {start: 0.0}
-        parent: dict[tuple[int, int], tuple | None] = {start: None}
+    def run(self) -> tuple[float, list[tuple[int, Move]], State] | None:
+        """(cost, path, goal state) of the program found, the path as (node index, canonical
+        move) in order; None when nothing beats the incumbent. A long run of repeated blocks is
+        searched block by block (_by_blocks), anything else whole."""
+        run = find_run(self.pb, self.signatures)
+        if run is None:
+            found = self._search({(0, frozenset()): 0.0}, self.n, prune=True)
+            found = None if found is None else (found.costs[found.goal], _walk(found.parent, found.goal)[1], found.goal)
+        else:
+            found = self._by_blocks(run)
+        if found is not None or self.incumbent < float("inf"):
+            return found
+        raise SearchError("no distributed program found: some op has no applicable rule")
+
+    def _search(self, sources: dict[State, float], hi: int, *, prune: bool) -> "_Reached | None":
+        """A* from `sources` (state -> cost so far) over the nodes below `hi`. With hi = N it
+        ends at the first goal state popped (`goal`; None when there is none); otherwise it
+        runs until no state below hi is left to expand and returns every state reached at
+        depth hi, none expanded there. `prune`: cut states whose f reaches the incumbent
+        (only where h is that of the state's own position)."""
+        g = dict(sources)
+        parent: dict[State, tuple | None] = {s: None for s in sources}
         counter = itertools.count()
-        heap = [(self.h(0, start[1]), next(counter), start, 0.0, True)]
-        expanded = 0
+        heap = [(cost + self.C[s[0]], next(counter), s, cost, False) for s, cost in _ordered(sources, self.F)]
+        heapq.heapify(heap)
+        expanded_at: dict[tuple[int, frozenset[int]], int] = {}
+        depth_total: dict[int, int] = {}
+        reached: dict[State, float] = {}
         while heap:
             f, _, state, cost, exact_f = heapq.heappop(heap)
             if cost > g[state]:
                 continue  # stale entry: the state was re-reached more cheaply
             k, mask = state
             stratum = (k, self.stratum(k, mask))
-            if self.expanded_at.get(stratum, 0) >= self.width or self.depth_total[k] >= self.depth_cap:
+            if expanded_at.get(stratum, 0) >= self.width or depth_total.get(k, 0) >= self.depth_cap:
                 self.exact = False  # keys only grow: states expanded at this depth were cheaper
                 continue
             if not exact_f:  # pushed with the lower bound C(k): evaluate h now, re-queue
                 heapq.heappush(heap, (self.f_bound(k, mask, cost), next(counter), state, cost, True))
                 continue
             if k == self.n:
-                return state, g, parent
-            if f >= self.incumbent:
+                return _Reached(g, parent, state)
+            if prune and f >= self.incumbent:
                 continue  # branch and bound: cannot beat the known program
-            self.expanded_at[stratum] = self.expanded_at.get(stratum, 0) + 1
-            self.depth_total[k] += 1
-            expanded += 1
-            self.report.tick(expanded, k, f)
+            expanded_at[stratum] = expanded_at.get(stratum, 0) + 1
+            depth_total[k] = depth_total.get(k, 0) + 1
+            self.expanded += 1
+            self.report.tick(self.expanded, k + self.shift, f)
             live, below, join, known = self.F.live(mask, k), self.C[k + 1], self.F.join, g.get
             for move, (bits, checks) in self.successors(k, mask):
                 nxt = (k + 1, join(live, bits, checks))
                 new = cost + move.cost
                 if new < known(nxt, INF) - 1e-15:
                     g[nxt], parent[nxt] = new, (state, move)
-                    heapq.heappush(heap, (new + below, next(counter), nxt, new, False))
-        if self.incumbent < float("inf"):
-            return None, g, parent
-        raise SearchError("no distributed program found: some op has no applicable rule")
+                    if k + 1 == hi < self.n:
+                        reached[nxt] = new
+                    else:
+                        heapq.heappush(heap, (new + below, next(counter), nxt, new, False))
+        return _Reached(reached, parent) if hi < self.n else None
+
+    def _by_blocks(self, run: Run) -> tuple[float, list[tuple[int, Move]], State] | None:
+        """The search in three parts: the nodes before the run of repeated blocks (pruned by
+        the incumbent), each block of the run, and the nodes after it down to the goal.
+
+        Block q is searched at the template's position (block 0 of the run): its start
+        states renamed by tau_q (planner.periodic), with their costs less the least of
+        them, so that the search sees the same states, costs and heuristic whichever block
+        it is for; the states reached at the template's end are renamed back to block q's
+        end and the least cost added back. Two blocks whose start states and relative
+        costs are equal (costs to 1e-11 s) thus run the same search, and the second reuses
+        the first's result: a run of P blocks costs the search of the few blocks before
+        its frontier repeats, and gives exactly what searching each block would (up to
+        cost ties under 1e-11 s). Inside the run states are not pruned by the incumbent (h
+        at the template's position is no bound for a later block's); the width bound is
+        per depth as everywhere. Unlike the whole search, which interleaves depths in order
+        of f and stops at the first goal, each block is searched until its width is
+        exhausted: a different bounded search, checked against the whole one on several
+        models (tests/test_block_search.py), not a rearrangement of it."""
+        inside = range(run.first, run.end)
+        first = self._search({(0, frozenset()): 0.0}, run.first, prune=True)
+        segments: list[tuple[_Reached, int]] = [(first, -1)]
+        frontier = self._undominated(first.costs)
+        memo: dict[tuple, _Reached] = {}
+        searched = 0
+        for q in range(run.blocks):
+            if not frontier:
+                return None
+            base = min(frontier.values())
+            moved = self._moved(frontier, run.first, run.maps[q] if q else None, inside, base)
+            if moved is None:  # a state this block's renaming cannot carry: searched in place
+                block = self._search(frontier, run.start(q) + run.length, prune=False)
+                segments.append((block, -1))
+                frontier = self._undominated(block.costs)
+                searched += 1
+                continue
+            key = tuple(sorted((_key(self.F, s[1]), round(c, 11)) for s, c in moved.items()))
+            if key not in memo or not REUSE:
+                self.shift = run.start(q) - run.first
+                memo[key] = self._search(moved, run.first + run.length, prune=False)
+                self.shift, searched = 0, searched + 1
+            block = memo[key]
+            out = self._moved(block.costs, run.start(q) + run.length, run.inverse[q] if q else None, inside, -base)
+            assert out is not None, "tau covers every tensor a block outputs"
+            segments.append((block, q))
+            frontier = self._undominated(out)
+        if self.report.enabled:
+            log.info("synthesis: %d repeated blocks of %d ops from node %d: %d searched, the others' searches reused",
+                     run.blocks, run.length, run.first, searched)
+        last = self._search(self._undominated(frontier), self.n, prune=True)
+        if last is None:
+            return None
+        return last.costs[last.goal], self._stitch(run, segments, last), last.goal
+
+    def _undominated(self, states: dict[State, float]) -> dict[State, float]:
+        """`states` (all at one depth) without those another makes pointless: s is dropped when
+        some s* costs g(s*) + conv(s* -> s) <= g(s), conv the cheapest conversions (the
+        chain bound's, planner.bounds) of what s* holds into each layout s holds that s* does
+        not. Any program from s is then one from s* with those conversions added where s's
+        layouts are first read, and costs no more. Without this a state whose cost grows
+        against the best by a fixed amount per block would keep every block's start
+        different, and no block's search could be reused. Each state is tested against the
+        `width` cheapest."""
+        order = sorted(states.items(), key=lambda item: item[1])
+        held = [self._held(s[1]) for s, _ in order]
+        kept: list[int] = []
+        for i, (state, cost) in enumerate(order):
+            if not any(order[j][1] + self._conversions(held[j], held[i]) <= cost for j in kept[:self.width]):
+                kept.append(i)
+        return {order[i][0]: order[i][1] for i in kept}
+
+    def _held(self, mask: frozenset[int]) -> dict[str, frozenset[Layout]]:
+        held: dict[str, set[Layout]] = {}
+        for t, layout in self.F.decode(mask):
+            held.setdefault(t, set()).add(layout)
+        return {t: frozenset(ls) for t, ls in held.items()}
+
+    def _conversions(self, have: dict[str, frozenset[Layout]], want: dict[str, frozenset[Layout]]) -> float:
+        total = 0.0
+        for t, layouts in want.items():
+            source = have.get(t)
+            for layout in layouts:
+                if source is None:
+                    return INF
+                if layout not in source:
+                    total += self.chains._conversion(t, source, layout)
+        return total
+
+    def _moved(self, states: dict[State, float], k: int, mapping: dict[str, str] | None, inside: range,
+               base: float) -> dict[State, float] | None:
+        """`states` renamed by `mapping` (None: unchanged) to depth k, costs less `base`;
+        None when some state cannot be renamed."""
+        out: dict[State, float] = {}
+        for (_, mask), cost in states.items():
+            if mapping is not None:
+                facts = translate(self.F.decode(mask), mapping, inside, self.pb.index)
+                if facts is None:
+                    return None
+                mask = self.F.encode(frozenset(facts))
+            out[(k, mask)] = cost - base
+        return out
+
+    def _stitch(self, run: Run, segments: list[tuple["_Reached", int]], last: "_Reached") -> list[tuple[int, Move]]:
+        """The path from the start to the goal, walking back through the segments: a block
+        searched at the template's position gives its moves `start(q) - first` nodes later
+        and its states renamed between block q and the template (tau_q and its inverse)."""
+        inside = range(run.first, run.end)
+        source, path = _walk(last.parent, last.goal)
+        for block, q in reversed(segments):
+            if q <= 0:
+                source, moves = _walk(block.parent, source)
+            else:
+                (k, mask), = self._moved({source: 0.0}, run.first + run.length, run.maps[q], inside, 0.0)
+                template, moves = _walk(block.parent, (k, mask))
+                shift = run.start(q) - run.first
+                moves = [(j + shift, m) for j, m in moves]
+                (source, _), = self._moved({template: 0.0}, run.start(q), run.inverse[q], inside, 0.0).items()
+            path[:0] = moves
+        assert source == (0, frozenset()), source
+        return path
+
+
+State = tuple[int, frozenset[int]]
+
+
+@dataclass
+class _Reached:
+    """What a search from some sources reached: cost per state, and each state's parent
+    (state, move) back to a source (None); `goal` the goal state popped, if that was it."""
+
+    costs: dict[State, float]
+    parent: dict[State, tuple | None]
+    goal: State | None = None
+
+
+def _walk(parent: dict[State, tuple | None], state: State) -> tuple[State, list[tuple[int, Move]]]:
+    """The source `state` descends from and the (node index, move) pairs from it, in order."""
+    path: list[tuple[int, Move]] = []
+    while parent[state] is not None:
+        prev, move = parent[state]
+        path.append((prev[0], move))
+        state = prev
+    path.reverse()
+    return state, path
+
+
+def _key(table: FactTable, mask: frozenset[int]) -> tuple[str, ...]:
+    return tuple(sorted(f"{t}={layout}" for t, layout in table.decode(mask)))
+
+
+def _ordered(sources: dict[State, float], table: FactTable) -> list[tuple[State, float]]:
+    """Sources in a fixed order (cost, then facts by name): the heap breaks ties by it."""
+    if len(sources) == 1:
+        return list(sources.items())
+    return sorted(sources.items(), key=lambda item: (item[1], _key(table, item[0][1])))
 
 
 def synthesize(pb: Problem, *, width: int = DEFAULT_WIDTH, progress: bool = True,
@@ -325,19 +521,16 @@ def synthesize(pb: Problem, *, width: int = DEFAULT_WIDTH, progress: bool = True
     incumbent cost, returns None when no program cheaper than it exists in the bounded search."""
     start_time = time.perf_counter()
     search = _Search(pb, width, progress, incumbent)
-    goal, g, parent = search.run()
-    if goal is None:
+    found = search.run()
+    if found is None:
         return None
+    cost, path, goal = found
     program: list[Instruction] = []
-    state = goal
-    while parent[state] is not None:
-        prev, move = parent[state]
-        move = instantiate(move, search.signatures.names(prev[0]))
-        program[:0] = [e.instruction() for e in move.resolved()]
-        state = prev
+    for k, move in path:
+        move = instantiate(move, search.signatures.names(k))
+        program += [e.instruction() for e in move.resolved()]
     loss_layouts = {layout for t, layout in search.F.decode(goal[1]) if t == pb.graph.loss}
     if P not in loss_layouts:
         assert R in loss_layouts, loss_layouts
         program.append(Instruction(kind="partial", tensor=pb.graph.loss, src=R, layout=P, variant="local"))
-    return SearchResult(tuple(program), g[goal], sum(search.expanded_at.values()),
-                        time.perf_counter() - start_time, search.exact)
+    return SearchResult(tuple(program), cost, search.expanded, time.perf_counter() - start_time, search.exact)
