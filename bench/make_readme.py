@@ -318,6 +318,21 @@ def synthesis_section(d: Json) -> str:
         out += ["", "Growth with depth, fitted as t = c L^k over the layer counts above (wall time):", "",
                 table(["part", "k", "s per layer"],
                       [[part, num(g["exponent"], 2), num(g["seconds_per_layer"], 2)] for part, g in growth.items()])]
+    shapes = [v for k, v in d.items() if k.startswith("shape/")]
+    if shapes:
+        out += ["", "Real model shapes: a Llama-3-8B shape (32 layers, hidden 4096, GQA 32/8, FFN 11008, sequence 512) "
+                    "and a 70B one (80 layers, hidden 8192, GQA 64/8, FFN 28672) on hap-paper (64 devices) and on it "
+                    "scaled to 1,024, batch max(64, devices). `hetsynth plan` is the whole command in a fresh process "
+                    "with no plan cache (what a user waits for); the parts are measured in another process.", "",
+                table(["model", "devices", "ops", "hetsynth plan s", "capture s", "SPMD plan s", "of it search s",
+                       "baselines s", "predicted ms", "peak GiB"],
+                      [[r["model"], r["devices"], r.get("ops", "-"),
+                        num(r.get("command_seconds"), 1) if "command_error" not in r else "error",
+                        num(r.get("capture_seconds"), 1), num(r.get("plan_seconds"), 1), num(r.get("search_seconds"), 1),
+                        num(r.get("baselines_seconds"), 1), ms(r.get("predicted_step_s")),
+                        num(max(r.get("peak_rss_gib", 0), r.get("command_peak_rss_gib", 0)), 2)] for r in shapes])]
+        errors = [f"{r['model']} on {r['devices']}: {r['command_error']}" for r in shapes if "command_error" in r]
+        out += [""] + [f"`hetsynth plan` ended with: {e}" for e in errors] if errors else []
     for r in dp_only:
         out += ["", f"The stage DP alone at {r['layers']} layers ({r['ops']:,} ops, {r['segments']} segments): "
                     f"{num(r['stage_dp_seconds'], 2)} s; it coarsens cuts to a bounded number of segments. "

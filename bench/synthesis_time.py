@@ -4,7 +4,8 @@ GPT (paper preset) on 64 to 4,096 devices, and planning with pipeline stages con
 
     python bench/synthesis_time.py [--devices 8 64] [--layers 1 4 12 24 48 64]
                                    [--scale 64 256 1024 4096] [--pipeline 6 12 24 48]
-                                   [--skip-layers] [--skip-scale] [--skip-pipeline]
+                                   [--shapes llama3-8b llama-70b] [--shape-devices 64 1024]
+                                   [--skip-layers] [--skip-scale] [--skip-pipeline] [--skip-shapes]
 
 Depth: the first N devices of configs/clusters/hap-paper.toml (8: one V100 node, one-level
 layouts; 64: the whole cluster, a 8 x 8 mesh with two-level layouts). Model: vit:paper with
@@ -26,7 +27,14 @@ linear. Wall and CPU time (time.process_time) are both recorded: on a shared mac
 time is the steadier measure of growth. `--dp-only` layer counts run the stage DP alone (cheap), to show it past the 24
 segments its cuts are coarsened to.
 
-Each point runs in a fresh process and measures the synthesis (A* search with its
+Shapes: a Llama-3-8B shape (hf:llama, 32 layers, hidden 4096, GQA 32/8, FFN 11008, sequence
+512) and a 70B one (80 layers, hidden 8192, GQA 64/8, FFN 28672) on hap-paper (64 devices) and
+on it scaled to 1,024, batch max(64, devices): the whole `hetsynth plan` command's wall time
+and peak memory (a fresh process, no plan cache: what a user waits for), then in another
+process its parts: capture, the SPMD plan (search, ratio LP, memory fitting, its search and LP
+seconds), the baselines, and that process's peak memory.
+
+Each other point runs in a fresh process and measures the synthesis (A* search with its
 incumbents, LP, alternation rounds; baselines excluded) and the process's peak RSS. Prints
 tables, writes bench/results/synthesis_time.json. For reference, HAP's own search on such a
 machine (EuroSys'24 artifact, ViT, 8 devices): 12 layers 1.5-2.4 s, 24 layers 7-10 s, 48
@@ -37,10 +45,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS, markdown_table, print_table, print_tables, run_child, write_json
+from hetsynth.instruction_set.cluster import load_cluster
+
+from common import RESULTS, ROOT, markdown_table, print_table, print_tables, run_child, write_json
 
 PREAMBLE = """
 import json, resource, time
@@ -123,6 +139,79 @@ print(json.dumps({{"stage_dp_seconds": dp_s, "stage_dp_cpu_seconds": dp_cpu_s, "
                   "segments": len(stage_dp.segments(graph, block_starts(graph)).flops),
                   "best": found[0].describe() if found else None}}))
 """
+
+
+LLAMA = "hf:llama,num_layers={layers},hidden={hidden},num_heads={heads},num_kv_heads=8,ffn_hidden={ffn},vocab_size=32000,seq_len=512"
+SHAPES = {"llama3-8b": LLAMA.format(layers=32, hidden=4096, heads=32, ffn=11008),
+          "llama-70b": LLAMA.format(layers=80, hidden=8192, heads=64, ffn=28672)}
+
+# the parts of `hetsynth plan`: capture, the SPMD plan (search, LP, memory fitting) and the baselines
+SHAPE = PREAMBLE + """
+from hetsynth.planner import baselines
+from hetsynth.planner.planner import make_plan
+cluster = load_cluster("{cluster}")
+t0 = time.perf_counter()
+graph = capture_model("{ref}")
+t1 = time.perf_counter()
+plan = make_plan(graph, cluster, progress=False, with_baselines=False, keep_unfit=True)
+t2 = time.perf_counter()
+baselines.all_baselines(graph, cluster, width=32)
+t3 = time.perf_counter()
+print(json.dumps({{"capture_seconds": t1 - t0, "plan_seconds": t2 - t1, "search_seconds": plan.synthesis.search_seconds,
+                  "lp_seconds": plan.synthesis.lp_seconds, "baselines_seconds": t3 - t2, "ops": len(graph.calls),
+                  "states_expanded": plan.synthesis.states_expanded, "predicted_step_s": plan.predicted.step_time_s,
+                  "fits": plan.predicted.fits,
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}}))
+"""
+
+
+def _cluster_file(devices: int, folder: Path) -> Path:
+    """hap-paper itself (64 devices) or scaled to `devices` / 8 nodes, as a spec file the CLI reads."""
+    if devices == 64:
+        return ROOT / "configs/clusters/hap-paper.toml"
+    path = folder / f"hap-paper-x{devices // 8}.json"
+    path.write_text(load_cluster(ROOT / "configs/clusters/hap-paper.toml").scaled(devices // 8).model_dump_json())
+    return path
+
+
+def _command(ref: str, cluster: Path, folder: Path) -> dict:
+    """Wall time and peak memory (this child's own, os.wait4) of the whole `hetsynth plan`, in a
+    fresh process with an empty plan cache."""
+    with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "hetsynth", "plan", "--model", ref, "--cluster", str(cluster),
+                                 "--no-cache", "--out", str(folder / "plan.json")], stdout=out, stderr=err, cwd=ROOT,
+                                env=os.environ | {"HETSYNTH_CACHE_DIR": str(folder / "cache")})
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        lines = (folder / "err.txt").read_text().strip().splitlines()
+        return {"command_error": lines[-1] if lines else f"status {status}", "command_seconds": seconds}
+    return {"command_seconds": seconds, "command_peak_rss_gib": usage.ru_maxrss / 2**20}
+
+
+def shapes(devices_list: list[int], names: list[str], results: dict) -> None:
+    """Real model shapes (Llama-3-8B, a 70B) on hap-paper and its scaled copies: the whole
+    command's wall time, and its parts measured in a second process."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name in names:
+            for devices in devices_list:
+                batch = max(64, devices)  # one sample per device at least
+                ref = f"{SHAPES[name]},batch_size={batch}"
+                cluster = _cluster_file(devices, folder)
+                r = _command(ref, cluster, folder) | run_child(SHAPE.format(cluster=cluster, ref=ref))
+                results[f"shape/{name}/{devices}"] = {"model": name, "ref": ref, "devices": devices, **r}
+                if "error" in r:
+                    rows.append([name, devices, "error", r["error"], "", "", "", "", "", ""])
+                else:
+                    rows.append([name, devices, r["ops"], f"{r['command_seconds']:.1f}" if "command_seconds" in r else "",
+                                 f"{r['capture_seconds']:.1f}", f"{r['plan_seconds']:.1f}", f"{r['search_seconds']:.1f}",
+                                 f"{r['lp_seconds']:.2f}", f"{r['baselines_seconds']:.1f}", f"{r['peak_rss_gib']:.2f}"])
+                print(rows[-1], flush=True)
+    print_tables(rows, ["model", "devices", "ops", "hetsynth plan s", "capture s", "SPMD plan s", "of it search s",
+                        "of it LP s", "baselines s", "peak GiB"])
 
 
 def depth(devices_list: list[int], layers_list: list[int], results: dict) -> None:
@@ -230,7 +319,8 @@ def previous(skipped: list[str]) -> dict:
     path = RESULTS / "synthesis_time.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     section = lambda key: ("pipeline" if key.startswith("gpt-pipeline/") else  # noqa: E731
-                           "scale" if key.startswith("gpt-scale/") else "layers")
+                           "scale" if key.startswith("gpt-scale/") else
+                           "shapes" if key.startswith("shape/") else "layers")
     return {k: v for k, v in old.items() if section(k) in skipped}
 
 
@@ -244,11 +334,15 @@ def main() -> None:
                         help="layer counts of gpt:paper planned with stages considered on the 64 devices")
     parser.add_argument("--dp-only", type=int, nargs="*", default=[96],
                         help="further layer counts where only the stage DP runs (after capture)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="real model shapes planned on hap-paper (64 devices) and its copy scaled to 1,024")
+    parser.add_argument("--shape-devices", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--skip-shapes", action="store_true")
     parser.add_argument("--skip-scale", action="store_true")
     parser.add_argument("--skip-pipeline", action="store_true")
     args = parser.parse_args()
-    skipped = [name for name in ("layers", "scale", "pipeline") if getattr(args, f"skip_{name}")]
+    skipped = [name for name in ("layers", "scale", "pipeline", "shapes") if getattr(args, f"skip_{name}")]
     results: dict = previous(skipped)
     if not args.skip_layers:
         depth(args.devices, args.layers, results)
@@ -257,6 +351,8 @@ def main() -> None:
     if not args.skip_pipeline:
         pipeline(args.pipeline, results)
         dp_only(args.dp_only, results)
+    if not args.skip_shapes:
+        shapes(args.shape_devices, args.shapes, results)
     write_json("synthesis_time.json", results)
 
 

@@ -160,6 +160,7 @@ class ShardLengths(Rounding):
     def __init__(self, classes: DimClasses, ratios: Sequence[float], mesh: Mesh) -> None:
         super().__init__(ratios, mesh)
         self.classes = classes
+        self._lengths: dict[tuple, tuple[int, ...]] = {}
 
     @property
     def counts(self) -> list[int]:
@@ -170,11 +171,17 @@ class ShardLengths(Rounding):
         """Local lengths of `tensor`'s `dim` split along `axis` (root units times the member's
         scale `size / root_size`)."""
         cls, size = self.classes.of(tensor, dim), self.classes.sizes[(tensor, dim)]
-        units = self.units(cls.root_size // cls.unit, axis)
-        picked = units if ranks is None else (units[r] for r in ranks)
-        if cls.root_size == 0:  # a dim of size 0 (an empty slice): nothing to split
-            return tuple(0 for _ in picked)
-        return tuple(cls.unit * u * size // cls.root_size for u in picked)
+        key = (cls.root_size, cls.unit, size, axis, None if ranks is None else tuple(ranks))
+        found = self._lengths.get(key)
+        if found is None:
+            units = self.units(cls.root_size // cls.unit, axis)
+            picked = units if ranks is None else (units[r] for r in ranks)
+            if cls.root_size == 0:  # a dim of size 0 (an empty slice): nothing to split
+                found = tuple(0 for _ in picked)
+            else:
+                found = tuple(cls.unit * u * size // cls.root_size for u in picked)
+            self._lengths[key] = found  # the same per (class shape, size): a 1,024-rank tuple built once
+        return found
 
     def rank_lengths(self, tensor: str, layout: Layout,
                      ranks: Sequence[int] | None = None) -> dict[int, tuple[int, ...]]:

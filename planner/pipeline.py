@@ -41,6 +41,7 @@ from hetsynth.planner.planner import _evaluate, finalize, make_plan, model_info,
 from hetsynth.planner import stage_times
 from hetsynth.planner.resharding import plan_reshard
 from hetsynth.planner.stage_dp import stage_memory
+from hetsynth.planner.stage_reuse import StagePrograms
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +63,31 @@ def program_at(graph: ReferenceGraph, cluster: ClusterSpec, plan: Plan) -> Plan:
         "gradient_sync": found.sync})
 
 
+def _synthesized(graph: ReferenceGraph, cluster: ClusterSpec, ratios: Sequence[float] | None, width: int,
+                 policy: PrecisionPolicy) -> Plan:
+    made = make_plan(graph, cluster, ratios=ratios, width=width, progress=False,
+                     with_baselines=False, allow_zero=False,  # the pipeline runtime keeps optimizer state whole
+                     precision=policy.precision, reduce_dtype=policy.reduce_dtype)
+    if any(i.kind in FUSED_MATMULS for i in made.instructions):
+        made = without_fusion(made)  # the pipeline executor runs no fused collective-matmuls (not tested there)
+    return made
+
+
 def _stage_plans(graphs: dict[int, ReferenceGraph], cluster: ClusterSpec, calls: tuple[int, int],
-                 ratios: Sequence[float] | None, width: int, policy: PrecisionPolicy) -> dict[int, Plan]:
+                 ratios: Sequence[float] | None, width: int, policy: PrecisionPolicy,
+                 programs: StagePrograms) -> dict[int, Plan]:
     """The stage's program synthesized at the largest micro-batch size and derived at the
     others; else synthesized at the smallest (the largest's may shard a dim that is 1 at the
     smallest, such as the batch of a micro-batch of one: no rule shards a dim of 1). Each
     stage is planned under the whole plan's precision `policy` on its own sub-cluster (its kinds'
     compute dtypes, so their rates, are the ones the whole cluster's policy gives them; its
-    gradients reduced in the policy's dtype)."""
+    gradients reduced in the policy's dtype). A stage of the same structure on the same kind of
+    sub-cluster as one planned before reuses its program (planner.stage_reuse)."""
     failed = []
     for size in sorted({max(graphs), min(graphs)}, reverse=True):
-        first = make_plan(stage_graph(graphs[size], *calls), cluster, ratios=ratios, width=width, progress=False,
-                          with_baselines=False, allow_zero=False,  # the pipeline runtime keeps optimizer state whole
-                          precision=policy.precision, reduce_dtype=policy.reduce_dtype)
-        if any(i.kind in FUSED_MATMULS for i in first.instructions):
-            first = without_fusion(first)  # the pipeline executor runs no fused collective-matmuls (not tested there)
+        graph = stage_graph(graphs[size], *calls)
+        first = programs.plan(graph, cluster, (None if ratios is None else tuple(ratios), width, policy.model_dump_json()),
+                              lambda: _synthesized(graph, cluster, ratios, width, policy), program_at)
         try:
             others = {b: program_at(stage_graph(g, *calls), cluster, first) for b, g in graphs.items() if b != size}
         except ValueError as err:
@@ -137,10 +148,11 @@ def _reshard(src: PipelineStage, dst: PipelineStage, b: int, tensor: str, held: 
 
 
 def _stage(index: int, choice: StageChoice, graphs: dict[int, ReferenceGraph], cluster: ClusterSpec,
-           ratios: Sequence[float] | None, width: int, policy: PrecisionPolicy) -> PipelineStage:
+           ratios: Sequence[float] | None, width: int, policy: PrecisionPolicy,
+           programs: StagePrograms) -> PipelineStage:
     ranks, calls = choice
     full = next(iter(graphs.values()))
-    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width, policy)
+    plans = _stage_plans(graphs, cluster.subset(ranks), calls, ratios, width, policy, programs)
     g = next(iter(plans.values())).graph
     inputs = tuple(n.name for n in g.nodes if n.op == "input" and full.node(n.name).op == "call"
                    and g.node(n.name).op == "input" and n.name in {c.name for c in full.calls[:calls[0]]})
@@ -181,10 +193,12 @@ def prediction(stages: Sequence[PipelineStage], boundaries: Sequence[Boundary], 
 
 def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice], *, num_micro: int,
                        schedule: Schedule = Schedule.EAGER_1F1B, ratios: Sequence[Sequence[float] | None] | None = None,
-                       width: int = 64, measure: MeasureAt | None = None) -> Plan:
+                       width: int = 64, measure: MeasureAt | None = None,
+                       programs: StagePrograms | None = None) -> Plan:
     """`spmd` (the best SPMD plan of the model on the whole cluster) with the pipeline of the
     given stage choice, shape pipeline (module docstring). `measure` times the ops of each
-    micro-batch size (planner.microbatch.micro_graphs). The stages are planned under `spmd`'s
+    micro-batch size (planner.microbatch.micro_graphs). `programs`: stage plans to reuse
+    (shared by the candidates of one choice of stages, planner.stage_reuse). The stages are planned under `spmd`'s
     precision policy; boundary tensors travel in the model's dtype (runtime.pipeline), so their
     transfers are costed at its width."""
     cluster, full = spmd.cluster, spmd.graph
@@ -200,7 +214,8 @@ def make_pipeline_plan(spmd: Plan, spec: ModelSpec, stages: Sequence[StageChoice
         log.warning("%s", err)
     ratios = ratios or [None] * len(stages)
     policy = spmd.precision_policy()
-    built = [_stage(i, c, graphs, cluster, ratios[i], width, policy) for i, c in enumerate(stages)]
+    programs = StagePrograms() if programs is None else programs
+    built = [_stage(i, c, graphs, cluster, ratios[i], width, policy, programs) for i, c in enumerate(stages)]
     boundaries = _boundaries(built, cluster)
     links = [Link(src=b.src_stage, dst=b.dst_stage) for b in boundaries]
     actions = build_actions(schedule, len(sizes), links, len(built))
@@ -317,10 +332,12 @@ def _best_pipeline(spmd: Plan, spec: ModelSpec, tries: Sequence[tuple[list[Stage
     fastest when none does), each under the given schedule or the fastest one that fits."""
     best: Plan | None = None
     skipped: MixedSizesError | None = None
+    programs = StagePrograms()
     for choice, counts in tries:
         for m in counts:
             try:
-                made = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width, measure=measure)
+                made = make_pipeline_plan(spmd, spec, choice, num_micro=m, width=width, measure=measure,
+                                          programs=programs)
             except MixedSizesError as err:
                 log.warning("%d micro-batches skipped: %s", m, err)
                 skipped = err
@@ -330,6 +347,8 @@ def _best_pipeline(spmd: Plan, spec: ModelSpec, tries: Sequence[tuple[list[Stage
                 best = candidate
             if candidate.pipeline.coupled:  # one micro-batch whatever was asked
                 break
+    if programs.hits:
+        log.info("%d stage plan(s) reused from a stage of the same structure", programs.hits)
     if best is None:
         assert skipped is not None
         raise skipped

@@ -155,14 +155,20 @@ class Problem:
         self._shared = _graph_memo(graph)  # what depends on the graph alone
         base = self._shared.get("base") or self._shared.setdefault(
             "base", {n.name: rules_for(n, self.in_metas(n)) for n in self.order})
-        self.classes = DimClasses(self._sizes(), [l for n in self.order for l in rule_links(n, base[n.name])])
+        self.classes = self._shared.get("classes") or self._shared.setdefault(
+            "classes", DimClasses(self._sizes(), [l for n in self.order for l in rule_links(n, base[n.name])]))
         self.mesh = comm_mesh(cluster, self.restrictions.two_level)
         self.lengths = ShardLengths(self.classes, self.ratios, self.mesh)
         self.devices: DeviceClasses = device_classes(cluster, self.lengths)
         self.width = self.devices.size
         self.kinds: list[DeviceKind] = self.devices.kinds(cluster)
         self.comm = CommModel(cluster, two_level=self.restrictions.two_level, classes=self.devices)
-        self.rules = {n.name: self._rules(n, base[n.name]) for n in self.order}
+        space = (self.mesh.two_level, self.restrictions.no_batch_split_inside, self.restrictions.batch_split_only,
+                 tuple(sorted((t, str(l)) for t, l in self.restrictions.force.items())))
+        rules = self._shared.setdefault("rules", {})  # what _rules reads of the restrictions and mesh
+        if space not in rules:
+            rules[space] = {n.name: self._rules(n, base[n.name]) for n in self.order}
+        self.rules = rules[space]
         empty = [n.name for n in self.order if not self.rules[n.name]]
         if empty:
             forced = {t: self.restrictions.force[t] for t in empty if t in self.restrictions.force}

@@ -257,12 +257,23 @@ def zero_problems(pb: Problem, program: Sequence[Instruction], state: TrainingSt
     zero, out = with_states(program, tensors, state), []
     for objective in objectives:
         q, fits = solve_state_ratios(pb, zero, objective)
-        log.info("%s of %d parameters at state ratios %s (%s first; %s)", state, len(tensors),
-                 ", ".join(f"{x:.3f}" for x in q), objective,
+        log.info("%s of %d parameters at state ratios %s (%s first; %s)", state, len(tensors), _runs(q), objective,
                  "the state fits" if fits else "the state alone does not fit: the ratios least over")
         if all(any(abs(a - b) > 1e-6 for a, b in zip(q, p.state_ratios)) for p, _ in out):
             out.append((with_state_ratios(pb, q), zero))
     return out
+
+
+def _runs(values: Sequence[float]) -> str:
+    """Ratios as text, a run of equal ones once with its count ("0.001 x768, 0.002 x256"):
+    a 1,024-device cluster's line stays readable."""
+    out: list[list] = []
+    for text in (f"{x:.3f}" for x in values):
+        if out and out[-1][0] == text:
+            out[-1][1] += 1
+        else:
+            out.append([text, 1])
+    return ", ".join(t if n == 1 else f"{t} x{n}" for t, n in out)
 
 
 def with_state_ratios(pb: Problem, state_ratios: Sequence[float]) -> Problem:
