@@ -285,8 +285,10 @@ def synthesis_section(d: Json) -> str:
     dp_only = [v for k, v in d.items() if k.startswith("gpt-pipeline/dp-only/")]
     out = ["ViT (`vit:paper`, batch 8 per device) with 1 to 64 layers on the first 8 devices of the HAP cluster "
            "(one V100 node) and on all 64 (8 x 8 mesh, two-level layouts), each point in a fresh process; "
-           "synthesis is the whole alternation of A* search and ratio LP. Time grows linearly with depth (the "
-           "structural memo and the per-depth beam).", ""]
+           "synthesis is the whole alternation of A* search and ratio LP. A run of repeated blocks is searched block "
+           "by block and a block whose start repeats reuses the search before it (`planner/periodic.py`), so the "
+           "states expanded stop growing with depth; what still grows is the work per op outside the search "
+           "(costing, the ratio LP, the predictions).", ""]
     out.append(table(["devices", "layers", "ops", "synthesis s", "states expanded", "rounds", "peak GiB"],
                      [[r["devices"], r["layers"], r.get("ops", "-"), num(r["seconds"], 2),
                        f"{r['states_expanded']:,}", r.get("rounds", "-"), num(r.get("peak_rss_gib"), 2)]
@@ -330,7 +332,8 @@ def synthesis_section(d: Json) -> str:
                         num(r.get("command_seconds"), 1) if "command_error" not in r else "error",
                         num(r.get("capture_seconds"), 1), num(r.get("plan_seconds"), 1), num(r.get("search_seconds"), 1),
                         num(r.get("baselines_seconds"), 1), ms(r.get("predicted_step_s")),
-                        num(max(r.get("peak_rss_gib", 0), r.get("command_peak_rss_gib", 0)), 2)] for r in shapes])]
+                        num(max((r[k] for k in ("peak_rss_gib", "command_peak_rss_gib") if k in r), default=None), 2)]
+                       for r in shapes])]
         errors = [f"{r['model']} on {r['devices']}: {r['command_error']}" for r in shapes if "command_error" in r]
         out += [""] + [f"`hetsynth plan` ended with: {e}" for e in errors] if errors else []
     for r in dp_only:

@@ -120,14 +120,17 @@ def find_run(pb: Problem, sig: Signatures, min_run: int | None = None) -> Run | 
     return best
 
 
-def translate(facts: Sequence[tuple[str, object]], mapping: dict[str, str], inside: range,
+def translate(facts: Sequence[tuple[str, object]], mapping: dict[str, str], inverse: dict[str, str], inside: range,
               index: dict[str, int]) -> list[tuple[str, object]] | None:
-    """The facts renamed by `mapping`; None when a tensor produced inside the run is not in it."""
+    """The facts renamed by `mapping` (`inverse`: its inverse); None when a tensor produced
+    inside the run is not in it, or when a tensor kept as itself is also what another is
+    renamed to (a loss reading the embedding and every block's output: B_1's input maps onto
+    the embedding, which the state also holds), so that two tensors' facts would merge."""
     out = []
     for tensor, layout in facts:
         renamed = mapping.get(tensor)
         if renamed is None:
-            if index.get(tensor, -1) in inside:
+            if index.get(tensor, -1) in inside or tensor in inverse:
                 return None
             renamed = tensor
         out.append((renamed, layout))

@@ -63,7 +63,8 @@ def structure(graph: ReferenceGraph) -> tuple:
     """The graph with names replaced by positions (module docstring)."""
     position = {n.name: i for i, n in enumerate(graph.nodes)}
     blocks = _blocks(graph)
-    return (position[graph.loss], graph.reference_flops, tuple(_node_key(n, position, blocks) for n in graph.nodes))
+    whole = graph.model_dump_json(exclude={"nodes", "model_ref", "loss"})  # update times, scales: the planner reads them
+    return (position[graph.loss], whole, tuple(_node_key(n, position, blocks) for n in graph.nodes))
 
 
 def anonymous(cluster: ClusterSpec) -> str:
@@ -112,7 +113,9 @@ class StagePrograms:
             made = self._plans[key] = synthesize()
             return made
         self.hits += 1
-        return cost(graph, cluster, renamed(first, graph).model_copy(update={"cluster": cluster}))
+        reused = first.synthesis.model_copy(update={"seconds": 0.0, "search_seconds": 0.0, "lp_seconds": 0.0,
+                                                    "states_expanded": 0, "rounds": 0})
+        return cost(graph, cluster, renamed(first, graph).model_copy(update={"cluster": cluster, "synthesis": reused}))
 
 
 __all__ = ["StagePrograms", "anonymous", "renamed", "structure"]

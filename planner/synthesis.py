@@ -378,7 +378,9 @@ class _Search:
         exhausted: a different bounded search, checked against the whole one on several
         models (tests/test_block_search.py), not a rearrangement of it."""
         inside = range(run.first, run.end)
-        first = self._search({(0, frozenset()): 0.0}, run.first, prune=True)
+        start: State = (0, frozenset())
+        first = (self._search({start: 0.0}, run.first, prune=True) if run.first else
+                 _Reached({start: 0.0}, {start: None}))  # the run begins at the first node
         segments: list[tuple[_Reached, int]] = [(first, -1)]
         frontier = self._undominated(first.costs)
         memo: dict[tuple, _Reached] = {}
@@ -387,7 +389,7 @@ class _Search:
             if not frontier:
                 return None
             base = min(frontier.values())
-            moved = self._moved(frontier, run.first, run.maps[q] if q else None, inside, base)
+            moved = self._moved(frontier, run.first, (run.maps[q], run.inverse[q]) if q else None, inside, base)
             if moved is None:  # a state this block's renaming cannot carry: searched in place
                 block = self._search(frontier, run.start(q) + run.length, prune=False)
                 segments.append((block, -1))
@@ -400,7 +402,8 @@ class _Search:
                 memo[key] = self._search(moved, run.first + run.length, prune=False)
                 self.shift, searched = 0, searched + 1
             block = memo[key]
-            out = self._moved(block.costs, run.start(q) + run.length, run.inverse[q] if q else None, inside, -base)
+            out = self._moved(block.costs, run.start(q) + run.length, (run.inverse[q], run.maps[q]) if q else None,
+                              inside, -base)
             assert out is not None, "tau covers every tensor a block outputs"
             segments.append((block, q))
             frontier = self._undominated(out)
@@ -446,14 +449,14 @@ class _Search:
                     total += self.chains._conversion(t, source, layout)
         return total
 
-    def _moved(self, states: dict[State, float], k: int, mapping: dict[str, str] | None, inside: range,
-               base: float) -> dict[State, float] | None:
-        """`states` renamed by `mapping` (None: unchanged) to depth k, costs less `base`;
-        None when some state cannot be renamed."""
+    def _moved(self, states: dict[State, float], k: int, maps: tuple[dict[str, str], dict[str, str]] | None,
+               inside: range, base: float) -> dict[State, float] | None:
+        """`states` renamed by maps = (mapping, its inverse) (None: unchanged) to depth k, costs
+        less `base`; None when some state cannot be renamed (periodic.translate)."""
         out: dict[State, float] = {}
         for (_, mask), cost in states.items():
-            if mapping is not None:
-                facts = translate(self.F.decode(mask), mapping, inside, self.pb.index)
+            if maps is not None:
+                facts = translate(self.F.decode(mask), *maps, inside, self.pb.index)
                 if facts is None:
                     return None
                 mask = self.F.encode(frozenset(facts))
@@ -470,11 +473,13 @@ class _Search:
             if q <= 0:
                 source, moves = _walk(block.parent, source)
             else:
-                (k, mask), = self._moved({source: 0.0}, run.first + run.length, run.maps[q], inside, 0.0)
+                (k, mask), = self._moved({source: 0.0}, run.first + run.length, (run.maps[q], run.inverse[q]), inside,
+                                         0.0)
                 template, moves = _walk(block.parent, (k, mask))
                 shift = run.start(q) - run.first
                 moves = [(j + shift, m) for j, m in moves]
-                (source, _), = self._moved({template: 0.0}, run.start(q), run.inverse[q], inside, 0.0).items()
+                (source, _), = self._moved({template: 0.0}, run.start(q), (run.inverse[q], run.maps[q]), inside,
+                                           0.0).items()
             path[:0] = moves
         assert source == (0, frozenset()), source
         return path

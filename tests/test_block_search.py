@@ -9,6 +9,8 @@ import importlib.util
 from functools import lru_cache
 
 import pytest
+import torch
+from torch import nn
 
 from hetsynth.api import capture_model, load_cluster
 from hetsynth.instruction_set.graph import ReferenceGraph
@@ -109,3 +111,71 @@ def test_blocks_reading_shared_tables_end_before_the_last_reader() -> None:
     assert run.blocks == 9
     shared = [t for t in pb.order[run.first].inputs if t in run.maps[4] and run.maps[4][t] == t]
     assert all(run.maps[4].get(t) == t for t in shared)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.relu(self.up(h)))
+
+
+class _FromTheFirstNode(nn.Module):
+    """Heads that all read the input, added up after: the first op is block 0's, so the run
+    starts at node 0."""
+
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        outs = [block(x) for block in self.blocks]  # all blocks first, then the sum: the blocks are adjacent
+        return ((torch.stack(outs).sum(0) - y) ** 2).mean()
+
+
+class _EveryOutputInTheLoss(_FromTheFirstNode):
+    """The loss reads the embedding and every block's output: block 1 reads block 0's output
+    where block 0 reads the embedding, which the state still holds (periodic.translate must
+    not merge the two tensors' facts)."""
+
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__(width, depth)
+        self.embed = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = e = self.embed(x)
+        outs = []
+        for block in self.blocks:
+            h = block(h)
+            outs.append(h)
+        return ((e + sum(outs) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("module", [_FromTheFirstNode, _EveryOutputInTheLoss])
+def test_runs_at_the_first_node_and_outputs_read_later(module: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(periodic, "MIN_RUN", 4)
+    torch.manual_seed(0)
+    graph = capture_model(module(), (torch.randn(32, 16), torch.randn(32, 16)))
+    spec = load_cluster("configs/clusters/local-emulated.toml")
+    pb = Problem(graph, spec, baselines.proportional(spec))
+    run = _run(pb)
+    assert run is not None and run.blocks >= 4
+    assert (run.first == 0) == (module is _FromTheFirstNode)
+    blocks = synthesis.synthesize(pb, progress=False)
+    monkeypatch.setattr(periodic, "MIN_RUN", 10**9)
+    whole = synthesis.synthesize(pb, progress=False)
+    assert blocks.cost_s <= whole.cost_s * 1.001
+    _reads_what_was_made(pb, blocks.instructions)
+
+
+def _reads_what_was_made(pb: Problem, program) -> None:
+    """Every op computes from layouts of its inputs that earlier instructions made."""
+    made: set[tuple[str, str]] = set()
+    for ins in program:
+        if ins.kind == "compute":
+            node = pb.graph.node(ins.node)
+            for tensor, layout in zip(node.inputs, ins.inputs):
+                assert (tensor, str(layout)) in made, (ins.node, tensor, str(layout))
+        made.add((ins.tensor, str(ins.layout)))
