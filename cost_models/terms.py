@@ -107,15 +107,22 @@ def seconds(c: Cost, _memo: dict[int, float] | None = None) -> float:
     memo = {} if _memo is None else _memo
     found = memo.get(id(c))
     if found is None:
-        parts = (memo[id(p)] if id(p) in memo else _remember(p, memo) for p in c.parts)
-        found = memo[id(c)] = sum(parts) if isinstance(c, Series) else max(parts)
+        # sum() and max() written out (the same additions in the same order, the same first
+        # maximum): this is the planner's innermost loop, and a generator per node cost a third
+        series, get = isinstance(c, Series), memo.get
+        total: float | None = 0.0 if series else None
+        for p in c.parts:
+            value = get(id(p))
+            if value is None:  # a form too is kept: the bucket syncs recur in many branches
+                value = memo[id(p)] = seconds(p, memo)
+            if series:
+                total += value  # type: ignore[operator]
+            elif total is None or value > total:
+                total = value
+        if total is None:
+            raise ValueError("an Overlap of no parts has no time")
+        found = memo[id(c)] = total
     return found
-
-
-def _remember(c: Cost, memo: dict[int, float]) -> float:
-    """seconds(c), kept in `memo` (a form too: the bucket syncs recur in many branches)."""
-    value = memo[id(c)] = seconds(c, memo)
-    return value
 
 
 def forms(c: Cost) -> Iterator[Form]:

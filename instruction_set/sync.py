@@ -176,11 +176,14 @@ def _lane_buckets(lane: list, cap: int, first_cap: int | None, last_cap: int | N
         tail_bytes += lane[cut - 1][2]
         cut -= 1
     out: list[list] = []
+    held = 0  # bytes of the open bucket, added in its order (what summing it again would give)
     for member in lane[:cut]:
         limit = min(cap, first_cap) if len(out) == 1 and first_cap is not None else cap
-        if not out or sum(m[2] for m in out[-1]) + member[2] > limit:
+        if not out or held + member[2] > limit:
             out.append([])
+            held = 0
         out[-1].append(member)
+        held += member[2]
     return out + ([lane[cut:]] if cut < len(lane) else [])
 
 

@@ -396,7 +396,8 @@ def choose_buckets(pb: Problem, program: Sequence[Instruction],
             buckets = assign_buckets(pb.graph, program, shards, *shape, scatter_variant=scatter)
             if not any(buckets == t[0] for t in tried.values()):  # else the same buckets as a costed shape
                 terms = program_terms(pb, program, buckets, split)
-                tried[shape] = (buckets, terms, sum(seconds(t.time) for t in terms))
+                memo: dict[int, float] = {}  # parts the terms share (bucket syncs) evaluated once
+                tried[shape] = (buckets, terms, sum(seconds(t.time, memo) for t in terms))
         return min(tried, key=lambda s: (round(tried[s][2], 9), len(tried[s][0])))
 
     best = cost([forced]) if forced else cost(with_last_caps(cost(plain_shapes())))
