@@ -3,9 +3,11 @@ block to another (planner.synthesis searches such a run of blocks block by block
 one block's search wherever its start is the same up to this renaming).
 
 Blocks. A block is the set of call nodes whose module path names one element of a
-`ModuleList` / `Sequential` (instruction_set.blocks.block_of). A *run* is a sequence of
-blocks B_t, B_{t+1}, ..., B_{t+P-1} that are contiguous and adjacent in the search order
-(block j occupies [b_j, b_j + L), b_{j+1} = b_j + L) and each equal to the *template* B_t:
+`ModuleList` / `Sequential` (instruction_set.blocks.block_of), with the nodes of no block that
+follow it up to the next block (a model's loop may add up an auxiliary loss between blocks).
+A *run* is a sequence of blocks B_t, B_{t+1}, ..., B_{t+P-1}, each contiguous in the search
+order, that follow each other at a fixed period (block j occupies [b_j, b_j + L),
+b_{j+1} = b_j + L) and each equal to the *template* B_t:
 
 - node i of B_j has the structural signature of node i of B_t (op, arguments, shapes, FLOPs,
   per input its kind, dim classes, batch dims, liveness and forced layout:
@@ -104,10 +106,13 @@ def find_run(pb: Problem, sig: Signatures, min_run: int | None = None) -> Run | 
     a = 0
     while a < len(ranges):
         start, end = ranges[a]
-        length = end - start
+        # the period: the block and the nodes of no block up to the next one (an auxiliary loss
+        # added up between MoE blocks), compared node for node like the block's own
+        length = ranges[a + 1][0] - start if a + 1 < len(ranges) else end - start
         maps: list[dict[str, str]] = [{}]
         for start_j, end_j in ranges[a + 1:]:
-            if start_j != start + length * len(maps) or end_j - start_j != length:
+            if (start_j != start + length * len(maps) or end_j - start_j != end - start
+                    or start_j + length > len(pb.order)):
                 break
             inside = range(start, start_j + length)
             tau = _tau(pb, sig, start, start_j, length, inside)

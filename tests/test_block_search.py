@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hetsynth.api import capture_model, load_cluster
+from hetsynth.instruction_set.blocks import block_of
 from hetsynth.instruction_set.graph import ReferenceGraph
 from hetsynth.planner import baselines, periodic, synthesis
 from hetsynth.planner.facts import FactTable
@@ -179,3 +180,19 @@ def _reads_what_was_made(pb: Problem, program) -> None:
             for tensor, layout in zip(node.inputs, ins.inputs):
                 assert (tensor, str(layout)) in made, (ins.node, tensor, str(layout))
         made.add((ins.tensor, str(ins.layout)))
+
+
+@pytest.mark.slow
+def test_blocks_with_nodes_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE family adds each block's auxiliary loss up between blocks, outside them: a
+    block's period takes those nodes in, and reusing a block's search stays exact."""
+    pb = _problem("moe:tiny,num_layers=10", "local-emulated", baselines.DP)
+    run = _run(pb)
+    assert run is not None and run.blocks >= 8
+    own = [k for k in range(run.first, run.start(1)) if block_of(pb.order[k]) is not None]
+    assert len(own) < run.length  # the block, then the nodes of no block up to the next
+    assert all(block_of(pb.order[k]) is None for k in range(run.first + len(own), run.start(1)))
+    reused = synthesis.synthesize(pb, progress=False)
+    monkeypatch.setattr(synthesis, "REUSE", False)
+    every = synthesis.synthesize(pb, progress=False)
+    assert reused.instructions == every.instructions and reused.states_expanded < every.states_expanded
