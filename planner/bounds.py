@@ -68,7 +68,7 @@ class ChainBound:
         for low, wants, extra, node, output in self._rule_options(tensor, j):
             if low >= best:
                 break
-            conv = max((self._conversion(tensor, held, w) for w in wants if w not in held), default=0.0)
+            conv = max((self.conversion(tensor, held, w) for w in wants if w not in held), default=0.0)
             if conv != INF:
                 best = min(best, conv + extra + self.out(node, output))
         return best
@@ -89,7 +89,7 @@ class ChainBound:
             self._options[key] = [(o[0], *o[2:]) for o in options]
         return self._options[key]
 
-    def _conversion(self, tensor: str, held: frozenset[Layout], want: Layout) -> float:
+    def conversion(self, tensor: str, held: frozenset[Layout], want: Layout) -> float:
         """Cheapest conversion from a held layout; shared by tensors of the same structure,
         as Problem.conversion is."""
         sid = self._sid.get(tensor)

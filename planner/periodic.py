@@ -60,6 +60,17 @@ class Run:
     def start(self, q: int) -> int:
         return self.first + q * self.length
 
+    @property
+    def inside(self) -> range:
+        return range(self.first, self.end)
+
+    def to_template(self, q: int) -> tuple[dict[str, str], dict[str, str]] | None:
+        """(tau_q, its inverse): block q's names to the template's (None for the template)."""
+        return (self.maps[q], self.inverse[q]) if q else None
+
+    def from_template(self, q: int) -> tuple[dict[str, str], dict[str, str]] | None:
+        return (self.inverse[q], self.maps[q]) if q else None
+
 
 def _block_ranges(pb: Problem) -> list[tuple[int, int]]:
     """[start, end) of each block whose nodes are contiguous in the search order."""

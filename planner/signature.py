@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
+from hetsynth.instruction_set.graph import Node
 from hetsynth.planner.problem import Problem
 from hetsynth.planner.transitions import Emit, Fact, Move
 
@@ -54,18 +55,23 @@ class Signatures:
         node = self.pb.order[k]
         names = self.names(k)
         position = {t: f"#{i}" for i, t in enumerate(names[:-1])}
-
-        def canon(value):
-            if isinstance(value, list):
-                return [canon(v) for v in value]
-            if isinstance(value, dict) and "ref" in value:
-                return {"ref": position[value["ref"]]}
-            return value
-
-        args = json.dumps([canon(list(node.args)), {k2: canon(v) for k2, v in node.kwargs.items()}],
-                          sort_keys=True, default=str)
-        return (node.target, args, node.flops_fwd, node.flops_bwd, node.fallback,
+        return (node.target, canonical_args(node, position), node.flops_fwd, node.flops_bwd, node.fallback,
                 tuple(self._tensor(t, k) for t in names))
+
+
+def canonical_args(node: Node, position: dict[str, Any]) -> str:
+    """The node's arguments as JSON, each tensor reference `{"ref": name}` replaced by
+    `position[name]` (in lists and at the top level of args and kwargs)."""
+
+    def canon(value: Any) -> Any:
+        if isinstance(value, list):
+            return [canon(v) for v in value]
+        if isinstance(value, dict) and "ref" in value:
+            return {"ref": position[value["ref"]]}
+        return value
+
+    return json.dumps([canon(list(node.args)), {k: canon(v) for k, v in node.kwargs.items()}], sort_keys=True,
+                      default=str)
 
 
 def canonical_facts(facts: frozenset[Fact], names: tuple[str, ...]) -> frozenset[Fact]:
@@ -107,4 +113,4 @@ def instantiate(move: Move, names: tuple[str, ...]) -> Move:
     return Move(move.rule_index, move.cost, actual_facts(move.added, names), move.instructions, _back(names))
 
 
-__all__ = ["Emit", "Signatures", "actual_facts", "canonical_facts", "canonical_move", "instantiate"]
+__all__ = ["Emit", "Signatures", "canonical_args", "actual_facts", "canonical_facts", "canonical_move", "instantiate"]

@@ -27,6 +27,7 @@ from hetsynth.instruction_set.blocks import block_of
 from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.graph import Node, ReferenceGraph
 from hetsynth.instruction_set.plan import Plan
+from hetsynth.planner.signature import canonical_args
 
 
 def _blocks(graph: ReferenceGraph) -> dict[str, str]:
@@ -39,21 +40,10 @@ def _blocks(graph: ReferenceGraph) -> dict[str, str]:
     return out
 
 
-def _canon(value: Any, position: dict[str, int]) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_canon(v, position) for v in value]
-    if isinstance(value, dict):
-        if "ref" in value:
-            return {"ref": position[value["ref"]]}
-        return {k: _canon(v, position) for k, v in value.items()}
-    return value
-
-
 def _node_key(node: Node, position: dict[str, int], blocks: dict[str, str]) -> tuple:
     block = block_of(node)
     path = node.module_path if block is None else blocks[block] + node.module_path[len(block):]
-    args = json.dumps([_canon(list(node.args), position), _canon(node.kwargs, position)], sort_keys=True, default=str)
-    return (node.op, node.target, args, tuple(position[t] for t in node.inputs),
+    return (node.op, node.target, canonical_args(node, position), tuple(position[t] for t in node.inputs),
             tuple(m.model_dump_json() for m in node.outputs), node.multi_output, node.flops_fwd, node.flops_bwd,
             path, json.dumps(node.value), node.fallback, node.measured_s,
             None if node.saved is None else tuple(s.model_dump_json() for s in node.saved))

@@ -229,13 +229,9 @@ class _Search:
         self.shift = 0  # nodes between the block searched at the template and the one it is for
 
     def h(self, k: int, mask: frozenset[int]) -> float:
-        held: dict[str, list[Layout]] = {}
-        facts, tensor = self.F.facts, self.F.tensor
-        for i in mask:
-            held.setdefault(tensor[i], []).append(facts[i][1])
         conversions, chains = 0.0, 0.0
-        for t, layouts in held.items():
-            d, e = self.tensor_bound(t, frozenset(layouts), k)
+        for t, layouts in self._held(mask).items():
+            d, e = self.tensor_bound(t, layouts, k)
             conversions += d
             chains = max(chains, e)
         return self.C[k] + max(conversions, chains)
@@ -377,7 +373,6 @@ class _Search:
         of f and stops at the first goal, each block is searched until its width is
         exhausted: a different bounded search, checked against the whole one on several
         models (tests/test_block_search.py), not a rearrangement of it."""
-        inside = range(run.first, run.end)
         start: State = (0, frozenset())
         first = (self._search({start: 0.0}, run.first, prune=True) if run.first else
                  _Reached({start: 0.0}, {start: None}))  # the run begins at the first node
@@ -389,7 +384,7 @@ class _Search:
             if not frontier:
                 return None
             base = min(frontier.values())
-            moved = self._moved(frontier, run.first, (run.maps[q], run.inverse[q]) if q else None, inside, base)
+            moved = self._moved(frontier, run.first, run.to_template(q), run.inside, base)
             if moved is None:  # a state this block's renaming cannot carry: searched in place
                 block = self._search(frontier, run.start(q) + run.length, prune=False)
                 segments.append((block, -1))
@@ -402,8 +397,7 @@ class _Search:
                 memo[key] = self._search(moved, run.first + run.length, prune=False)
                 self.shift, searched = 0, searched + 1
             block = memo[key]
-            out = self._moved(block.costs, run.start(q) + run.length, (run.inverse[q], run.maps[q]) if q else None,
-                              inside, -base)
+            out = self._moved(block.costs, run.start(q) + run.length, run.from_template(q), run.inside, -base)
             assert out is not None, "tau covers every tensor a block outputs"
             segments.append((block, q))
             frontier = self._undominated(out)
@@ -433,10 +427,13 @@ class _Search:
         return {order[i][0]: order[i][1] for i in kept}
 
     def _held(self, mask: frozenset[int]) -> dict[str, frozenset[Layout]]:
-        held: dict[str, set[Layout]] = {}
-        for t, layout in self.F.decode(mask):
-            held.setdefault(t, set()).add(layout)
-        return {t: frozenset(ls) for t, ls in held.items()}
+        """The layouts held of each tensor, tensors in the order of the mask's fact ids (a
+        fixed order: the heuristic's sum of conversions adds up in it)."""
+        held: dict[str, list[Layout]] = {}
+        facts, tensor = self.F.facts, self.F.tensor
+        for i in mask:
+            held.setdefault(tensor[i], []).append(facts[i][1])
+        return {t: frozenset(layouts) for t, layouts in held.items()}
 
     def _conversions(self, have: dict[str, frozenset[Layout]], want: dict[str, frozenset[Layout]]) -> float:
         total = 0.0
@@ -446,7 +443,7 @@ class _Search:
                 if source is None:
                     return INF
                 if layout not in source:
-                    total += self.chains._conversion(t, source, layout)
+                    total += self.chains.conversion(t, source, layout)
         return total
 
     def _moved(self, states: dict[State, float], k: int, maps: tuple[dict[str, str], dict[str, str]] | None,
@@ -467,19 +464,16 @@ class _Search:
         """The path from the start to the goal, walking back through the segments: a block
         searched at the template's position gives its moves `start(q) - first` nodes later
         and its states renamed between block q and the template (tau_q and its inverse)."""
-        inside = range(run.first, run.end)
         source, path = _walk(last.parent, last.goal)
         for block, q in reversed(segments):
-            if q <= 0:
+            if q < 0:  # searched in place
                 source, moves = _walk(block.parent, source)
             else:
-                (k, mask), = self._moved({source: 0.0}, run.first + run.length, (run.maps[q], run.inverse[q]), inside,
-                                         0.0)
-                template, moves = _walk(block.parent, (k, mask))
+                (state,) = self._moved({source: 0.0}, run.first + run.length, run.to_template(q), run.inside, 0.0)
+                template, moves = _walk(block.parent, state)
                 shift = run.start(q) - run.first
                 moves = [(j + shift, m) for j, m in moves]
-                (source, _), = self._moved({template: 0.0}, run.start(q), (run.inverse[q], run.maps[q]), inside,
-                                           0.0).items()
+                (source,) = self._moved({template: 0.0}, run.start(q), run.from_template(q), run.inside, 0.0)
             path[:0] = moves
         assert source == (0, frozenset()), source
         return path
