@@ -725,6 +725,27 @@ def reliability_section(d: Json) -> str:
     return "\n".join(out)
 
 
+def moe_experts_section(d: Json) -> str:
+    s, n = d["summary"], len(d["runs"])
+
+    def cell(name: str, key: str, fmt: Callable[[Any], str]) -> str:
+        return spread([r[name][key] for r in d["runs"]], fmt)
+
+    rows = [[name, s[name].get("local") or "whole", "/".join(map(str, s[name]["experts"])), cell(name, "measured_s", num),
+             cell(name, "predicted_s", num), cell(name, "error", lambda v: f"{v:+.1%}"),
+             cell(name, "vs_replicated", x)] for name in s]
+    return "\n".join([
+        f"`{d['model']}` on `{d['cluster']}` (2 x 0.5 CPU + 2 x 0.25 CPU, 200 Mbit/s between the nodes), "
+        "measured spec, ops timed: the planner's own plan (**chosen**), the experts split with the tokens "
+        "all-gathered to them (**gathered**, `experts_sharded`) or sent to them pair by pair by all-to-all "
+        "(**dispatched**, `experts_dispatched`), the best plan with every expert weight replicated "
+        "(**replicated**: the experts train data-parallel) and DP-CP, trained interleaved; median seconds per "
+        "step over "
+        f"{runs_text(n)} (planning included in each), median (range). Error: (predicted - measured) / measured.", "",
+        table(["plan", "experts", "experts per rank", "measured s", "predicted s", "error", "replicated / it"],
+              rows)])
+
+
 # (anchor, title, result file, renderer, extra result files passed along)
 SECTIONS: list[tuple[str, str, str, Callable[..., str], tuple[str, ...]]] = [
     ("pipeline", "Pipelines on a slow link", "pipeline.json", pipeline_section, ()),
@@ -736,6 +757,7 @@ SECTIONS: list[tuple[str, str, str, Callable[..., str], tuple[str, ...]]] = [
     ("plan-quality", "Plan quality (predicted)", "plan_quality.json", plan_quality_section, ()),
     ("measured-speedup", "Measured speed-ups on the emulated cluster", "measured_speedup.json",
      measured_speedup_section, ()),
+    ("moe-experts", "Expert parallelism against replicated experts", "moe_experts.json", moe_experts_section, ()),
     ("memory-bound", "Where memory binds: hetsynth against torch FSDP2", "memory_bound.json",
      memory_bound_section, ()),
     ("ddp-overhead", "Overhead against torch DDP on equal ranks", "ddp_overhead.json", ddp_overhead_section, ()),

@@ -13,35 +13,38 @@ gate_up[E, 2F, H] = [gate_e; up_e] per expert, down[E, H, F]) is a sum over expe
 sum over experts is what expert parallelism splits: a rank holding experts [first, first + E_r)
 computes the terms of its experts for every token and zero for the others; the ranks' results
 sum to `out` (a Partial), and the expert weights need no gradient synchronisation. The rules
-(instruction_set.rules.moe) give the search three choices for the op: all replicated; tokens
-split with the experts replicated (data parallel, gradients all-reduced); tokens replicated
-with the experts split unevenly (the LP sizes each rank's run of experts: more experts on
-faster devices), whose tokens arrive by an all-gather and whose Partial output leaves by a
-reduce-scatter, instructions that exist already. The op's `first` argument is the global index
-of the weights' first expert: 0 in the captured graph, the rank's offset under the split rule.
+(instruction_set.rules.moe) give the search four choices for the op: all replicated; tokens
+split with the experts replicated (data parallel, gradients all-reduced); tokens replicated with
+the experts split unevenly (the LP sizes each rank's run of experts: more experts on faster
+devices), whose tokens arrive by an all-gather and whose Partial output leaves by a
+reduce-scatter (local `experts_sharded`); and tokens and experts both split (local
+`experts_dispatched`, `dispatched_math`): each (token, slot) pair travels to the rank holding
+its expert by an all-to-all of rows, in counts exchanged first, and its result comes back by
+the reverse one. The op's `first` argument is the global index of the weights' first expert: 0
+in the captured graph, the rank's offset under `experts_sharded`.
 
-Why tokens move by all-gather and reduce-scatter rather than an all-to-all of the pairs: both
-are exact and this needs no runtime code beyond the op's `first`. Per rank r of T_r tokens
-the all-gather brings (T - T_r) H values and the reduce-scatter returns as many, while an
-all-to-all of top-k pairs sends k T_r H (1 - E_r / E) each way: about the same at k = 2 on a
-few devices. The all-to-all form (split sizes from the exchanged per-expert counts) pays off
-at many devices and small k; it would be a fourth rule, tokens and experts both split, with
-its own runtime implementation. The expected load is uniform: a rank's share of the pairs is
-its share of the experts.
+Per rank r of T_r tokens holding E_r of E experts, the all-gather brings (T - T_r) H values and
+the reduce-scatter returns as many, while the dispatch sends k T_r H (1 - E_r / E) each way and
+receives k (T - T_r) H E_r / E: the all-to-all pays at many devices and small k, and it also
+splits the tokens' other work (the router, the output). Which is cheaper is the search's to
+say (planner.problem.Problem.op_communication charges the dispatch's all-to-alls). The
+expected load is uniform: a rank's share of the pairs is its share of the experts.
 
 Routing (softmax, top-k, the auxiliary load-balancing loss) stays outside, as ordinary ops, so
 the router's loss is part of the captured loss as the model computes it.
 
 Backward: `routed_experts_backward`, a second op (so that FlopCounterMode can count it by
 formula and fake tensors can run it), the chain rule per expert written out with aten's own
-activation backward kernels (an op's implementation runs below autograd).
+activation backward kernels (an op's implementation runs below autograd). Dispatched, the
+backward is autograd's through `dispatched_math`'s plain ops and the exchanges' adjoints (the
+reverse all-to-alls); every rank joins both, in the same order, whatever it holds.
 FLOPs: forward 2 T k (2 F H + F H) (each pair meets one expert's three matrices), backward
 twice that (input and weight gradients), under uniform routing for any rank's share.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,20 +62,69 @@ ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 }
 
 
+def expert_ffn(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+    """E(rows) = down (act(gate rows) * up rows) for one expert's gate_up[2F, H], down[H, F]."""
+    width = gate_up.shape[0] // 2
+    h = rows @ gate_up.transpose(0, 1)
+    return (ACTIVATIONS[act](h[:, :width]) * h[:, width:]) @ down.transpose(0, 1)
+
+
 def routed_experts_math(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
                         down: torch.Tensor, act: str, first: int) -> torch.Tensor:
     """The terms of experts [first, first + gate_up.shape[0]) (see the module docstring), in
     plain differentiable ops: pairs of other experts contribute zero."""
     out = x.new_zeros(x.shape).to(torch.promote_types(x.dtype, w.dtype))
-    width = gate_up.shape[1] // 2
     for e in range(gate_up.shape[0]):
         token, slot = torch.nonzero(idx == first + e, as_tuple=True)
         if token.numel() == 0:
             continue
-        h = x[token] @ gate_up[e].transpose(0, 1)
-        y = (ACTIVATIONS[act](h[:, :width]) * h[:, width:]) @ down[e].transpose(0, 1)
+        y = expert_ffn(x[token], gate_up[e], down[e], act)
         out = out.index_add(0, token, y * w[token, slot].unsqueeze(-1))
     return out.to(x.dtype)
+
+
+class Exchange(Protocol):
+    """Rows between the members of a group (runtime.collectives.alltoall.RowExchange)."""
+
+    def counts(self, send: list[int]) -> list[int]:
+        """How many rows each member sends me, given how many I send each."""
+        ...
+
+    def rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """My rows, `send[j]` of them in order to member j; the rows received, by member
+        (differentiable: the backward sends the gradients back the same way)."""
+        ...
+
+
+def dispatched_math(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, act: str, starts: Sequence[int], member: int,
+                    exchange: Exchange) -> torch.Tensor:
+    """The routed-experts op with tokens and experts both split (local `experts_dispatched`):
+    this member holds tokens x[T_m, H] (their idx, w) and experts [starts[m], starts[m+1]).
+    Each (token, slot) pair goes to the member owning its expert (an all-to-all of rows, sizes
+    from the exchanged counts), is computed there, and comes back (the reverse all-to-all),
+    where out[t] = sum_j w[t, j] y[t, j] as on one device. For k = 2 the two terms of a
+    token add in either order to the same bits (a + b = b + a, and 0 + a = a); for k > 2
+    they may round differently at the last place."""
+    owner = torch.bucketize(idx.reshape(-1), torch.tensor(list(starts[1:-1]), dtype=idx.dtype,
+                                                          device=idx.device), right=True)
+    order = torch.argsort(owner, stable=True)
+    send = torch.bincount(owner, minlength=len(starts) - 1).tolist()
+    recv = exchange.counts(send)
+    token = torch.div(order, idx.shape[1], rounding_mode="floor")
+    rows = exchange.rows(x[token], send, recv)
+    experts = exchange.rows(idx.reshape(-1)[order], send, recv) - starts[member]
+    # zeros joined to the received rows in autograd: every member's backward then runs both
+    # exchanges' adjoints, in the same order, even one with no experts (which else would leave
+    # the others waiting in theirs)
+    y = rows * 0
+    for e in range(gate_up.shape[0]):
+        mine = torch.nonzero(experts == e, as_tuple=True)[0]
+        if mine.numel():
+            y = y.index_add(0, mine, expert_ffn(rows[mine], gate_up[e], down[e], act))
+    back = exchange.rows(y, recv, send)
+    out = x.new_zeros(x.shape).to(torch.promote_types(x.dtype, w.dtype))
+    return out.index_add(0, token, back * w.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
 
 
 @torch.library.custom_op("hetsynth::routed_experts", mutates_args=())

@@ -14,6 +14,8 @@ rules tested in one process are the rules the runtime executes. Rewrites:
   table looks up the indices in that range and contributes zeros for the others (P output);
 - `experts_sharded`: routed experts (instruction_set.experts_op) on a rank holding experts
   [offset, offset + len) of the expert weights (input 3): the op with `first = offset` (P);
+- `experts_dispatched`: routed experts with tokens and experts split: an exchange of rows
+  between ranks, so the runtime builds it (runtime.experts) and `emit_local` refuses it;
 - `amax_sharded`: a max over a split dim that tolerates an empty local shard (-inf);
 - on a rank whose outputs of the node are all empty (zero-length shards are legal), the op
   is not called: `empty_result` makes them, in the plan's local shapes and dtypes.
@@ -241,6 +243,9 @@ def _local_call(node: Node, kinds: set[str], a: tuple, k: dict,
         return embedding_sharded, (a[0], a[1], ctx.offsets[0], pad), {}
     if "experts_sharded" in kinds:
         return run_target(node.target), (*a[:6], ctx.offsets[3]), {}
+    if "experts_dispatched" in kinds:
+        raise ValueError(f"{node.name}: experts_dispatched exchanges rows between ranks; "
+                         "runtime.experts builds it, not a local rewrite")
     if "amax_sharded" in kinds:
         return amax_sharded, (a[0], a[1] if len(a) > 1 else [], a[2] if len(a) > 2 else False), {}
     return LOCAL_TARGETS.get(node.target) or run_target(node.target), a, k

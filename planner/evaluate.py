@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hetsynth.cost_models.memory import GIB, activation_memory, param_memory, zero_memory
-from hetsynth.cost_models.terms import Shares, ShareKind, Term, busy, exposed, seconds
+from hetsynth.cost_models.terms import Form, Series, Shares, ShareKind, Term, busy, exposed, seconds
 from hetsynth.instruction_set.kinds import Category, Implementations, Phase
 from hetsynth.instruction_set.layouts import Layout
 from hetsynth.instruction_set.plan import DevicePrediction, Prediction
@@ -58,9 +58,16 @@ def _compute_term(pb: Problem, ins: Instruction, x_layouts: dict[str, Layout]) -
     node = pb.graph.node(ins.node)
     ri = _rule_index(pb, ins)
     rule = pb.rules[node.name][ri]
-    shares = Shares(pb.rule_shares(node, rule), share_kind((rule.output, *rule.inputs)))
-    return Term.leaf(pb.compute_linear(node, ri), shares, Category.COMPUTE,
+    work = [rule.inputs[i] for i in rule.work_inputs] or [rule.output, *rule.inputs]
+    shares = Shares(pb.rule_shares(node, rule), share_kind(work))
+    term = Term.leaf(pb.compute_linear(node, ri), shares, Category.COMPUTE,
                      activation_memory(node, rule.inputs, rule.output, pb.width, shares.values, pb.shares))
+    inside = pb.op_communication(node, rule)
+    if inside is None:
+        return term
+    cost, at, axis = inside
+    kind = {"all": share_kind([rule.inputs[0]]), "inner": ShareKind.FIXED}[axis]
+    return Term(Series((term.time, Form(cost, Shares(at, kind), Category.COMMUNICATION))), term.memory, term.memory_at)
 
 
 @TERMS.implements("param")

@@ -40,6 +40,7 @@ from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from hetsynth.instruction_set.kinds import Category, conversion_kind
 from hetsynth.instruction_set.kinds import kind as instruction_kind
 from hetsynth.instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
+from hetsynth.instruction_set.local import local_kinds
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.rules import Rule, product_rule, rules_for
 from hetsynth.instruction_set.shards import DimClasses, ShardLengths
@@ -128,11 +129,15 @@ def rule_splits(rule: Rule) -> bool:
 
 
 def rule_links(node: Node, rules: Sequence[Rule]) -> list[tuple]:
-    """Pairs of linked (tensor, dim): every sharded entry of a rule with the first one."""
+    """Pairs of linked (tensor, dim): every sharded entry of a rule with the first one, apart
+    from a rule's work inputs, linked among themselves (instruction_set.rules.registry)."""
     links = []
     for rule in rules:
-        keys = [(t, l.shard_dim) for t, l in rule_entries(node, rule) if l.shard_dim is not None]
-        links += [(keys[0], k) for k in keys[1:]]
+        apart = {i + 1 for i in rule.work_inputs}  # rule_entries puts the output first
+        for group in (False, True):
+            keys = [(t, l.shard_dim) for k, (t, l) in enumerate(rule_entries(node, rule))
+                    if l.shard_dim is not None and (k in apart) == group]
+            links += [(keys[0], k) for k in keys[1:]]
     return links
 
 
@@ -271,8 +276,12 @@ class Problem:
         return self._shares[key]
 
     def rule_shares(self, node: Node, rule: Rule) -> tuple[float, ...]:
-        """Each device's fraction of the op's work: the smallest share among split entries."""
-        split = [self.shares(t, l) for t, l in rule_entries(node, rule) if l.is_shard]
+        """Each device's fraction of the op's work: the smallest share among split entries (among
+        the rule's work inputs, where it names them)."""
+        entries = rule_entries(node, rule)
+        if rule.work_inputs:
+            entries = [entries[i + 1] for i in rule.work_inputs]
+        split = [self.shares(t, l) for t, l in entries if l.is_shard]
         if not split:
             return (1.0,) * self.width
         return tuple(min(v) for v in zip(*split))
@@ -316,10 +325,30 @@ class Problem:
         rule = self.rules[node.name][rule_index]
         shares = self.rule_shares(node, rule)
         seconds = self.compute_linear(node, rule_index).at(shares)
+        inside = self.op_communication(node, rule)
+        if inside is not None:
+            seconds += inside[0].at(inside[1])
         if self.memory_weight:
             memory = activation_memory(node, rule.inputs, rule.output, self.width, shares, self.shares)
             seconds += self.memory_weight * max(memory.per_device(shares))
         return seconds
+
+    def op_communication(self, node: Node, rule: Rule) -> tuple[LinearCost, tuple[float, ...], str] | None:
+        """(cost, shares, axis) of the collectives an op runs inside itself under `rule`, or
+        None. Routed experts dispatched (instruction_set.rules.moe): the k T H pairs' rows go
+        to their experts' ranks and the results come back, two all-to-alls and their adjoints
+        in the backward pass, each costed as the instruction set's all-to-all of the tokens
+        at their shares (a rank sends t_i (1 - e_i) of the rows and receives (1 - t_i) e_i;
+        taken at e = t, the s (1 - s) of cost_models.comm); the exchange of counts is one
+        latency each, left out."""
+        if "experts_dispatched" not in local_kinds(rule.local):
+            return None
+        x, layout = node.inputs[0], rule.inputs[0]
+        axis = "inner" if rule.inputs[3].is_two_level else "all"
+        shares, nbytes = self.axis_shares(x, layout, layout, axis)
+        rows = nbytes * self.meta(node.inputs[1]).shape[1]
+        one = self.comm.with_adjoint("all_to_all", "native", rows, self.requires_grad(x), axis, shares)
+        return one + one, shares, axis
 
     def update_linear(self, tensor: str, layout: Layout) -> LinearCost:
         """The optimizer step of a parameter stored in `layout` (cost_models.compute)."""

@@ -167,7 +167,8 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         backward.append(None)
         if term is None:
             continue
-        assert isinstance(term.time, Form) or ins.kind in FUSED_MATMULS, "instruction terms are single forms"
+        assert isinstance(term.time, Form) or ins.kind in FUSED_MATMULS or ins.kind == "compute", \
+            "instruction terms are single forms"
         if ins.kind == "param":
             post.append(term)
             if ins.state == TrainingState.ZERO3:  # gathered at each use, regathered and reduce-scattered in backward
@@ -178,8 +179,7 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
             ahead_cost, backward[-1] = term.time.parts  # type: ignore[union-attr]
             forward.append(Term(ahead_cost, term.memory, term.memory_at))
             continue
-        backward[-1] = _scaled(term.time, backward_share(pb, ins))
-        ahead = _scaled(term.time, forward_share(pb, ins))
+        ahead, backward[-1] = _halves(pb, ins, term.time)
         memory = None if ins.recompute else term.memory  # a recomputed block keeps its inputs only
         if ahead is not None or memory is not None:
             forward.append(Term(ahead if ahead is not None else Series(()), memory,
@@ -188,6 +188,22 @@ def _split(pb: Problem, program: Sequence[Instruction]) -> tuple[list[Term], lis
         if working is not None:
             forward.append(Term(Series(()), working, Shares((1.0,) * pb.width, ShareKind.NONE)))
     return forward, backward, post
+
+
+def _halves(pb: Problem, ins: Instruction, time: Cost) -> tuple[Cost | None, Cost | None]:
+    """(forward, backward) parts of an instruction's time: a form scaled by its forward and
+    backward shares; an op with collectives inside (Problem.op_communication: Series(compute,
+    communication)) splits its compute by FLOPs and its communication half and half (a
+    collective and its adjoint)."""
+    if isinstance(time, Form):
+        return _scaled(time, forward_share(pb, ins)), _scaled(time, backward_share(pb, ins))
+    assert isinstance(time, Series) and all(isinstance(p, Form) for p in time.parts), ins.describe()
+    halves = [(_scaled(p, forward_share(pb, ins)), _scaled(p, backward_share(pb, ins)))
+              if p.category is not Category.COMMUNICATION else
+              ((p, None) if not pb.requires_grad(pb.graph.node(ins.node).inputs[0]) else
+               (_scaled(p, 0.5), _scaled(p, 1.0 if ins.recompute else 0.5))) for p in time.parts]
+    ahead, behind = (tuple(h[i] for h in halves if h[i] is not None) for i in (0, 1))
+    return (Series(ahead) if ahead else None), (Series(behind) if behind else None)
 
 
 def _unsaved_bytes(pb: Problem, ins: Instruction, saved: frozenset[str]) -> list[float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from hetsynth.cost_models.compute import FREE_OPS
 from hetsynth.instruction_set.graph import Node, ReferenceGraph
 from hetsynth.instruction_set.interpret import call_node, graph_inputs
 from hetsynth.profiling.measure import matmul_throughput, sustained_seconds
+from hetsynth.runtime.rank_state import scale_grads, squared_norm
 
 
 def _signature(node: Node, env: dict[str, Any]) -> str:
@@ -120,8 +121,15 @@ def calibrate_to_model(nodes: list[Node], whole_s: float) -> list[Node]:
 
 
 def _update_seconds(params: Sequence[torch.Tensor], seconds: float) -> float:
-    """Sustained seconds of the runtime's step tail on these parameters: bucket flatten and
-    copy-back of the gradients, float64 global-norm clipping, rescale, AdamW."""
+    """Sustained seconds of the runtime's step tail on these parameters (update_step)."""
+    return steady_seconds(update_step(params)[0], seconds)
+
+
+def update_step(params: Sequence[torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """The runtime's step tail on copies of `params` with random gradients: bucket flatten and
+    copy-back of the gradients, the float64 global norm and the clipping rescale as the runtime
+    computes them (runtime.rank_state: foreach norms, not a float64 copy of every gradient,
+    which took longer than AdamW itself), AdamW; and the gradients it steps on."""
     leaves = [p.detach().clone().requires_grad_() for p in params]
     for p in leaves:
         p.grad = torch.randn_like(p)
@@ -133,12 +141,15 @@ def _update_seconds(params: Sequence[torch.Tensor], seconds: float) -> float:
         for p in leaves:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        norm = sum(p.grad.double().pow(2).sum() for p in leaves)
-        for p in leaves:
-            p.grad.mul_(float(1.0 / (1.0 + norm)))
+        grads = [p.grad for p in leaves]
+        norm = float(squared_norm(grads).sqrt())
+        # a rescale below 1 (so that it runs) that keeps the gradients' magnitude: repeated
+        # clipping by max_norm / norm sank them into denormals within a few steps, where
+        # AdamW runs several times slower than on real gradients
+        scale_grads(grads, 1.0 - 1e-6 * min(1.0, norm))
         optimizer.step()
 
-    return steady_seconds(step, seconds)
+    return step, [p.grad for p in leaves]
 
 
 def measure_update(params: Sequence[torch.Tensor], *, seconds: float = 0.2) -> tuple[float, float]:

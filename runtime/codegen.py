@@ -58,6 +58,7 @@ from hetsynth.instruction_set.shards import MeshLayout
 from hetsynth.instruction_set.training_state import TrainingState
 from hetsynth.runtime.collectives import Span
 from hetsynth.runtime.conversions import make_conversion, span
+from hetsynth.runtime.experts import DispatchedExperts
 from hetsynth.runtime.fused_ops import FusedLinear
 from hetsynth.runtime.mixed_precision import gradient_wire, wire_dtype
 from hetsynth.runtime.groups import Groups
@@ -226,6 +227,8 @@ class _Emitter:
             out = values[0]
         elif ins.node in self.sfb:
             out = self._sfb(ins, node, values)
+        elif "experts_dispatched" in local_kinds(ins.local):
+            out = self._dispatched(ins, node, values)
         else:
             out = emit_local(node, ins.local, values, self._context(node, ins), FxBuilder(self.graph))
         if self.zero3 & set(node.inputs):
@@ -254,6 +257,15 @@ class _Emitter:
         ndim = len(self.plan.graph.node(t).out.shape)
         dim = 0 if node.target == "aten.embedding.default" else node.args[1] % ndim
         return MeshLayout(self.groups.mesh, layout).offset(self.plan.lengths(t, layout)[dim], dim, self.rank)
+
+    def _dispatched(self, ins: Instruction, node: Node, values: list[fx.Node]) -> fx.Node:
+        """Routed experts with tokens and experts split (runtime.experts), among the ranks the
+        expert weights split over: the node's under a two-level layout (R|S0), else all."""
+        layout = ins.inputs[3]
+        s = span(self.plan, self.groups, node.inputs[3], layout, "inner" if layout.is_two_level else "all")
+        name = f"experts_{node.name}"
+        self.root.add_module(name, DispatchedExperts(s, node.args[5]))
+        return self.graph.call_module(name, tuple(values[:5]))
 
     def _sfb(self, ins: Instruction, node: Node, values: list[fx.Node]) -> fx.Node:
         sfb = self.sfb[ins.node]

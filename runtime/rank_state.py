@@ -52,16 +52,26 @@ def clip_norm(program: RankProgram, groups: Groups, zero: ZeroState | None, max_
     replicated = not rows and not any(p.layout.is_shard for p, _ in params)  # every rank holds every gradient
     counted = [g for p, g in params if g is not None and (replicated or counts_once(groups, p.layout))]
     counted += rows
-    norms = torch._foreach_norm(counted, 2.0, dtype=torch.float64) if counted else []
-    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+    total = squared_norm(counted)
     if not replicated:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.group("all"))
     norm = float(total.sqrt())
     scale = max_norm / (norm + 1e-6)
     grads = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in zero3] + rows
-    if scale < 1.0 and grads:
-        torch._foreach_mul_(grads, scale)
+    scale_grads(grads, scale)
     return norm
+
+
+def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_x x^2 over the elements of `grads`, in float64 (one foreach norm per tensor)."""
+    norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float64) if grads else []
+    return torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+
+
+def scale_grads(grads: Sequence[torch.Tensor], scale: float) -> None:
+    """Multiply every gradient by `scale` where that shrinks them (clipping never grows them)."""
+    if scale < 1.0 and grads:
+        torch._foreach_mul_(list(grads), scale)
 
 
 def precision(dtype: str | None) -> contextlib.AbstractContextManager:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,7 @@ from hetsynth.instruction_set.models import parse_model_ref
 from hetsynth.instruction_set.rules import is_supported, rules_for
 from hetsynth.instruction_set.rules.moe import flop_formulas
 from hetsynth.planner.capture import capture
+from thread_exchange import ThreadExchange, together
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.integrations.moe")  # defines the transformers:: grouped-matmul ops
@@ -177,6 +179,49 @@ def test_routed_experts_split_by_experts_sums_to_the_op() -> None:
                 args=tuple({"ref": r} for r in "abcde") + ("silu", 0), kwargs={}, outputs=(_meta(want),))
     rules = rules_for(node, tuple(_meta(t) for t in (x, idx, w, gate_up, down)))
     assert [r.local for r in rules if r.output is P] == ["experts_sharded"]
+
+
+def test_dispatched_experts_on_three_members_are_the_op() -> None:
+    """Tokens 3 : 0 : 4 and experts 2 : 3 : 0 of 5 over three members (one with no tokens,
+    one with no experts), pairs exchanged between threads: the members' rows are the op's
+    rows and the gradients of every input are the op's, in float64 to the last bits (k = 2)."""
+    from hetsynth.instruction_set.experts_op import dispatched_math
+    from hetsynth.runtime.experts import expert_starts
+
+    x, idx, w, gate_up, down = _routed_inputs()
+    want = torch.ops.hetsynth.routed_experts(x, idx, w, gate_up, down, "silu", 0)
+    seed = torch.randn(want.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = torch.autograd.grad(want, (x, w, gate_up, down), seed)
+    tokens, starts = expert_starts([3, 0, 4]), expert_starts([2, 3, 0])
+    hub = ThreadExchange(3)
+
+    def member(m: int) -> tuple:
+        t, e = slice(tokens[m], tokens[m + 1]), slice(starts[m], starts[m + 1])
+        out = dispatched_math(x[t], idx[t], w[t], gate_up[e], down[e], "silu", starts, m, hub.member(m))
+        return out, torch.autograd.grad(out, (x, w, gate_up, down), seed[t], allow_unused=True)
+
+    results = together([lambda m=m: member(m) for m in range(3)], hub)
+    torch.testing.assert_close(torch.cat([out for out, _ in results]), want, rtol=1e-13, atol=1e-13)
+    for i, g in enumerate(grads):
+        got = sum(r[i] for _, r in results if r[i] is not None)
+        torch.testing.assert_close(got, g, rtol=1e-12, atol=1e-12)
+
+
+def test_dispatched_rule_splits_tokens_and_experts_apart() -> None:
+    """The rule with tokens and experts split keeps them in separate ratio classes (the
+    experts are its work inputs) and charges its two all-to-alls."""
+    x, idx, w, gate_up, down = _routed_inputs()
+    want = torch.ops.hetsynth.routed_experts(x, idx, w, gate_up, down, "silu", 0)
+    node = Node(name="n", op="call", target="hetsynth.routed_experts.default", inputs=("a", "b", "c", "d", "e"),
+                args=tuple({"ref": r} for r in "abcde") + ("silu", 0), kwargs={}, outputs=(_meta(want),))
+    rules = rules_for(node, tuple(_meta(t) for t in (x, idx, w, gate_up, down)))
+    dispatched = [r for r in rules if r.local == "experts_dispatched"]
+    assert len(dispatched) == 1 and dispatched[0].work_inputs == (3, 4)
+    from hetsynth.planner.problem import rule_links
+
+    links = rule_links(node, dispatched)
+    assert ("n", 0) not in {b for a, b in links if a == ("d", 0)} and (("d", 0), ("e", 0)) in links
+    assert (("n", 0), ("a", 0)) in links
 
 
 def test_routed_experts_backward_is_autograd_of_its_math() -> None:

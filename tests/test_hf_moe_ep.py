@@ -11,8 +11,10 @@ import pytest
 from hetsynth import capture_model
 from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth.instruction_set.experts_op import OP
-from hetsynth.instruction_set.layouts import P, S, Layout
+from hetsynth.instruction_set.layouts import R, Layout
+from hetsynth.instruction_set.rules import registry
 from hetsynth.planner.planner import make_plan
+from hetsynth.planner import problem
 from hetsynth.planner.problem import Restrictions
 from hetsynth.runtime.check import check_on_pool
 from hetsynth.runtime.config import TrainConfig
@@ -30,18 +32,38 @@ def _expert_params(graph) -> list[str]:
     return [t for n in graph.calls if n.target == OP for t in n.inputs[3:5]]
 
 
+def _only(monkeypatch: pytest.MonkeyPatch, local: str) -> None:
+    """The routed-experts op keeps its all-replicated rule and the expert-parallel rule `local`
+    only, so that the search takes that one (the workers' processes keep every rule: a
+    plan's instruction names its rule by its layouts)."""
+    every = registry._REGISTRY[OP]
+    monkeypatch.setitem(registry._REGISTRY, OP, lambda node, metas: [
+        r for r in every(node, metas) if r.local == local or all(l is R for l in (*r.inputs, r.output))])
+    monkeypatch.setattr(registry, "_rule_fn", registry._rule_fn.__wrapped__)  # uncached while patched
+    monkeypatch.setattr(problem, "_PER_GRAPH", {})  # no rules kept from a graph planned before
+
+
+@pytest.mark.parametrize("local", ["experts_sharded", "experts_dispatched"])
 @pytest.mark.parametrize("experts_layout, lengths", [
     ("S0", [3, 2, 2, 1]),     # over all devices: 8 experts by 0.4, 0.3, 0.2, 0.1
-    ("R|S0", [5, 3, 5, 3]),   # inside each node (tokens split across nodes): 8 by 0.4 : 0.3 and 0.2 : 0.1
+    ("R|S0", [5, 3, 5, 3]),   # inside each node: 8 by 0.4 : 0.3 and 0.2 : 0.1
 ])
-def test_uneven_expert_parallel_run_matches_one_device(pools, experts_layout: str, lengths: list[int]) -> None:
+def test_uneven_expert_parallel_run_matches_one_device(pools, monkeypatch: pytest.MonkeyPatch, local: str,
+                                                       experts_layout: str, lengths: list[int]) -> None:
+    """Experts split unevenly, tokens brought to them (`experts_sharded`: all-gathered, the
+    output reduce-scattered) or sent to them (`experts_dispatched`: each pair to its expert's
+    rank and back, an all-to-all each way, among all ranks or the node's): a 4-rank run
+    matches single-device training in float64."""
+    _only(monkeypatch, local)
     graph = capture_model(TINY)
     force = {p: experts_layout for p in _expert_params(graph)}
+    if local == "experts_dispatched":  # its output in the experts' layout (else all-R may be cheaper on so small a model)
+        force |= {n.name: experts_layout for n in graph.calls if n.target == OP}
     cluster = load_cluster(CLUSTER)
     plan = make_plan(graph, cluster, ratios=[0.4, 0.3, 0.2, 0.1], progress=False,
                      restrictions=Restrictions(force=force, two_level=experts_layout != "S0"), with_baselines=False)
-    experts = [i for i in plan.instructions if i.kind == "compute" and "experts_sharded" in i.local]
-    assert experts and all(i.layout.inner is P.inner for i in experts)
+    experts = [i for i in plan.instructions if i.kind == "compute" and local in i.local]
+    assert experts and all(str(i.inputs[3]) == experts_layout for i in experts), [i.describe() for i in experts]
     layout = Layout.parse(experts_layout)
     assert list(plan.lengths(_expert_params(graph)[0], layout)[0]) == lengths
     float32, float64 = check_on_pool(pools.get(4), plan, TrainConfig(steps=3, lr=1e-2))
@@ -55,9 +77,9 @@ def test_planner_chooses_uneven_expert_parallelism() -> None:
     ref = "hf:mixtral,experts=routed,num_layers=1,hidden=256,ffn_hidden=1024,num_local_experts=8,num_heads=4"
     graph = capture_model(ref)
     plan = make_plan(graph, load_cluster(CLUSTER), progress=False, with_baselines=False)
-    assert [i.local for i in plan.instructions if i.node and i.kind == "compute"
-            and graph.node(i.node).target == OP] == ["experts_sharded"]
-    lengths = list(plan.lengths(_expert_params(graph)[0], S(0))[0])
+    chosen = [i for i in plan.instructions if i.node and i.kind == "compute" and graph.node(i.node).target == OP]
+    assert len(chosen) == 1 and chosen[0].local in ("experts_sharded", "experts_dispatched"), chosen
+    lengths = list(plan.lengths(_expert_params(graph)[0], chosen[0].inputs[3])[0])
     assert sum(lengths) == 8 and min(lengths[:2]) > max(lengths[2:]), lengths
 
 

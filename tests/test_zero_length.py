@@ -37,6 +37,9 @@ from hetsynth.instruction_set.layouts import P, PMAX, R, Layout
 from hetsynth.instruction_set.local import EagerBuilder, LocalContext, emit_local, local_kinds
 from hetsynth.instruction_set.rules import Rule, registered_targets, rules_for
 from hetsynth.instruction_set.rules.elementwise import ELEMENTWISE
+from hetsynth.instruction_set.experts_op import dispatched_math
+from hetsynth.runtime.experts import expert_starts
+from thread_exchange import ThreadExchange, together
 
 try:  # registers transformers' MoE custom op, so that the surface below holds it in every order of tests
     import transformers.integrations.moe  # noqa: F401
@@ -353,7 +356,11 @@ def flat(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-def run_rank(node: Node, rule: Rule, rank: int, empty: int, inputs: list[Any], whole: dict[str, Any]) -> Any:
+def run_rank(node: Node, rule: Rule, rank: int, empty: int, inputs: list[Any], whole: dict[str, Any],
+             hub: ThreadExchange | None = None) -> Any:
+    if "experts_dispatched" in local_kinds(rule.local):  # rows exchanged between the ranks (runtime.experts)
+        starts = expert_starts(lengths(first(whole[node.inputs[3]]).shape[0], empty))
+        return dispatched_math(*inputs[:5], node.args[5], starts, rank, hub.member(rank))
     shapes = []
     for m in node.outputs:
         shape = list(m.shape)
@@ -434,7 +441,8 @@ def check_rule(target: str, node: Node, values: dict[str, Any], rule: Rule, empt
     whole = {n: leaves([v], differentiable(node, values))[0] for n, v in values.items()}
     per_input = [leaves(split(whole[t], layout, empty, g), differentiable(node, values))
                  for t, layout in zip(node.inputs, rule.inputs)]
-    ranks = [run_rank(node, rule, r, empty, [p[r] for p in per_input], whole) for r in (0, 1)]
+    hub = ThreadExchange(2) if "experts_dispatched" in local_kinds(rule.local) else None
+    ranks = both(lambda r: run_rank(node, rule, r, empty, [p[r] for p in per_input], whole, hub), hub)
     want = reference(node, whole)
     if target not in UNCOMPARED:
         got = combine(ranks, rule.output)
@@ -442,8 +450,8 @@ def check_rule(target: str, node: Node, values: dict[str, Any], rule: Rule, empt
             close(o, w, where)
     weights = out_weights(flat(want), g)
     expected = grads(weighted(flat(want), weights), [float_leaves(whole[t]) for t in node.inputs])
-    got_grads = list(zip(*[grads(weighted(flat(ranks[r]), rank_weights(weights, rule.output, r, empty)),
-                                 [float_leaves(p[r]) for p in per_input]) for r in (0, 1)]))
+    got_grads = list(zip(*both(lambda r: grads(weighted(flat(ranks[r]), rank_weights(weights, rule.output, r, empty)),
+                                               [float_leaves(p[r]) for p in per_input]), hub)))
     if target in UNCOMPARED or rule.output == PMAX:
         return  # the backward ran; a max across ranks sends its gradient to one rank
     for i, layout in enumerate(rule.inputs):
@@ -460,6 +468,13 @@ def check_rule(target: str, node: Node, values: dict[str, Any], rule: Rule, empt
                 continue
             joined = parts[0] + parts[1] if layout == R else torch.cat(parts, dim=layout.shard_dim)
             close(joined, want_grad, f"{where}, gradient of input {i}")
+
+
+def both(call: Callable[[int], Any], hub: ThreadExchange | None) -> list[Any]:
+    """call(0), call(1): one after the other, or at once where the ranks exchange rows."""
+    if hub is None:
+        return [call(r) for r in (0, 1)]
+    return together([lambda r=r: call(r) for r in (0, 1)], hub)
 
 
 def reference(node: Node, whole: dict[str, Any]) -> Any:

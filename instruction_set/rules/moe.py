@@ -33,7 +33,13 @@ idx[T, k], w[T, k], gate_up[E, 2F, H], down[E, H, F]); its rules:
 - expert parallel: x, idx, w R, gate_up and down S(0) -> P, local `experts_sharded`: a rank
   holding experts [o, o + E_r) runs the op with `first = o` (its experts' terms for every
   token; the ranks' outputs sum to the whole). The expert dims of gate_up and down are one
-  ratio class of the LP (rule_links), separate from the tokens': the LP places experts unevenly.
+  ratio class of the LP (rule_links), separate from the tokens': the LP places experts unevenly;
+- dispatched: tokens and experts both split, x, idx, w S(0) and gate_up, down S(0) -> S(0),
+  local `experts_dispatched`: each (token, slot) pair travels to the rank of its expert by an
+  all-to-all and its result comes back by another (experts_op.dispatched_math). The experts'
+  dims are the rule's work inputs (registry.Rule.work_inputs): their own ratio class, and the
+  rank's work is its share of the experts (uniform routing), not of the tokens. The
+  all-to-alls are charged with the op (planner.problem.Problem.op_communication).
 
 FLOPs: the grouped matmuls have no formula in torch's FlopCounterMode; `flop_formulas()`
 gives them (2 S K N forward, twice that backward: every row meets exactly one expert).
@@ -76,6 +82,8 @@ def _routed_experts(node: Node, metas: tuple[TensorMeta, ...]) -> list[Rule]:
         rules.append(Rule((S(0), S(0), S(0), R, R), S(0)))
     if experts > 1:
         rules.append(Rule((R, R, R, S(0), S(0)), P, local="experts_sharded"))
+    if tokens > 1 and experts > 1:
+        rules.append(Rule((S(0),) * 5, S(0), local="experts_dispatched", work_inputs=(3, 4)))
     return rules
 
 

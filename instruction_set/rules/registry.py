@@ -8,7 +8,15 @@ op on a rank's shard beyond plain local shapes (instruction_set.local):
                      so the P output sums to the right value;
 - `mean_global`      a mean over a sharded dim becomes a local sum divided by the global count;
 - `gather_sharded`   a gather along a sharded dim takes the rows this rank owns (P output);
-- `embedding_sharded` a lookup in a vocab-sharded table takes the rows this rank owns (P).
+- `embedding_sharded` a lookup in a vocab-sharded table takes the rows this rank owns (P);
+- `experts_sharded` / `experts_dispatched` routed experts on a rank holding some of them
+                     (instruction_set.experts_op).
+
+A rule's `work_inputs` (empty for most) names the inputs whose split is the op's work and whose
+dims form their own ratio class: by default every split entry of a rule is one class (a rank's
+rows of x must be its rows of the output) and a rank's work is its smallest share; the
+routed-experts op with tokens and experts both split takes its tokens at one ratio and its
+experts at another, and its work follows the experts (the pairs routed to them).
 
 Shape-valued arguments (view sizes, expand sizes) are rewritten to the local output shape by
 the runtime for the ops listed in SHAPE_ARG. Ops absent from the registry are unsupported; the
@@ -39,6 +47,7 @@ class Rule:
     output: Layout
     local: str = ""
     pair: tuple["Rule", "Rule"] | None = None  # (across nodes, inside a node) of a two-level rule
+    work_inputs: tuple[int, ...] = ()  # see the module docstring
 
 
 def product_rule(outer: Rule, inner: Rule) -> Rule | None:
@@ -53,7 +62,8 @@ def product_rule(outer: Rule, inner: Rule) -> Rule | None:
     if any((a is PMAX) != (b is PMAX) for a, b in layouts):
         return None
     return Rule(tuple(Layout(a.outer, b.outer) for a, b in zip(outer.inputs, inner.inputs)),
-                Layout(outer.output.outer, inner.output.outer), _join_local(outer.local, inner.local), (outer, inner))
+                Layout(outer.output.outer, inner.output.outer), _join_local(outer.local, inner.local), (outer, inner),
+                inner.work_inputs or outer.work_inputs)
 
 
 def _join_local(outer: str, inner: str) -> str:

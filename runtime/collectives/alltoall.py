@@ -46,3 +46,39 @@ class AllToAll(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, src: Span, dst: Span) -> torch.Tensor:
     return AllToAll.apply(x, src, dst)
+
+
+class RowExchange:
+    """Rows of dim 0 between the members of a group, in counts known only at run time
+    (instruction_set.experts_op.Exchange: routed pairs to their experts' ranks)."""
+
+    def __init__(self, group: Any, size: int) -> None:
+        self.group, self.size = group, size
+
+    def counts(self, send: list[int]) -> list[int]:
+        received = torch.zeros(self.size, dtype=torch.int64)
+        dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=self.group)
+        return received.tolist()
+
+    def rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return RowsAllToAll.apply(rows, send, recv, self.group)
+
+
+def _rows_all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class RowsAllToAll(torch.autograd.Function):
+    """`send[j]` rows to member j, `recv[j]` from it; the backward returns the gradients of the
+    received rows to their senders (the same exchange with the counts swapped)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _rows_all_to_all(rows, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _rows_all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
