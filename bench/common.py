@@ -128,3 +128,24 @@ def write_json(name: str, data: Any) -> Path:
         data = {"results": data, "meta": meta()}
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def compare_plans(cluster_path: Path, made: dict[str, Any], workdir: Path, rounds: int, steps: int) -> dict[str, Any]:
+    """Train the plans `made` (name -> Plan) on the cluster's workers, interleaved
+    (runtime.compare: 2 warm-up steps each, then `rounds` rounds of `steps` steps of each);
+    its report: {name: {"step_seconds", "median_s", "phases_by_rank", ...}}."""
+    import hetsynth
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.runtime.launch import launch_checked
+
+    paths = []
+    for name, plan in made.items():
+        paths.append(str(workdir / f"{name}.json"))
+        hetsynth.save_plan(plan, paths[-1])
+    report = workdir / "compare.json"
+    launch_checked(load_cluster(cluster_path),
+                   ["-m", "hetsynth.runtime.compare", "--plans", *paths, "--names", *made, "--warmup", "2",
+                    "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)], "measurement",
+                   timeout_s=1500)
+    return json.loads(report.read_text())
+

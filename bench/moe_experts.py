@@ -37,13 +37,12 @@ with its range. Writes bench/results/moe_experts.json as {"model", "cluster", "r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, print_tables, profiled, write_json
+from common import compare_plans, ROOT, print_tables, profiled, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -97,23 +96,6 @@ def make_plans(ref: str, cluster_path: Path) -> dict:
                                progress=False, with_baselines=False)}
 
 
-def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
-    import hetsynth
-    from hetsynth.instruction_set.cluster import load_cluster
-    from hetsynth.runtime.launch import launch_checked
-
-    paths = []
-    for name, plan in made.items():
-        paths.append(str(workdir / f"{name}.json"))
-        hetsynth.save_plan(plan, paths[-1])
-    report = workdir / "compare.json"
-    launch_checked(load_cluster(cluster_path),
-                   ["-m", "hetsynth.runtime.compare", "--plans", *paths, "--names", *made, "--warmup", "2",
-                    "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)], "measurement",
-                   timeout_s=1500)
-    return json.loads(report.read_text())
-
-
 def entries(made: dict, times: dict) -> dict:
     return {name: {"measured_s": times[name]["median_s"], "predicted_s": plan.predicted.step_time_s,
                    "error": plan.predicted.step_time_s / times[name]["median_s"] - 1,
@@ -157,7 +139,7 @@ def main() -> None:
     for k in range(args.runs):
         made = make_plans(ref, spec)
         with tempfile.TemporaryDirectory() as tmp:
-            runs.append(entries(made, measure(spec, made, Path(tmp), args.rounds, args.steps)))
+            runs.append(entries(made, compare_plans(spec, made, Path(tmp), args.rounds, args.steps)))
         print(f"run {k + 1}: " + ", ".join(f"{n} {e['measured_s']:.3f} s (predicted {e['predicted_s']:.3f})"
                                          for n, e in runs[-1].items()), flush=True)
     total = summary(runs)

@@ -46,13 +46,12 @@ Writes bench/results/pipeline.json as {"models": {NAME: {"cluster", "pipeline_s"
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, ROOT, print_tables, write_json
+from common import compare_plans, RESULTS, ROOT, print_tables, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -201,23 +200,6 @@ def predicted(plan) -> float:
     return plan.pipeline.predicted.step_time_s if plan.pipeline is not None else plan.predicted.step_time_s
 
 
-def measure(cluster_path: Path, made: dict, workdir: Path, rounds: int, steps: int) -> dict:
-    import hetsynth
-    from hetsynth.instruction_set.cluster import load_cluster
-    from hetsynth.runtime.launch import launch_checked
-
-    paths = []
-    for name, plan in made.items():
-        paths.append(str(workdir / f"{name}.json"))
-        hetsynth.save_plan(plan, paths[-1])
-    report = workdir / "compare.json"
-    launch_checked(load_cluster(cluster_path),
-                   ["-m", "hetsynth.runtime.compare", "--plans", *paths, "--names", *made, "--warmup", "2",
-                    "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)], "measurement",
-                   timeout_s=1500)
-    return json.loads(report.read_text())
-
-
 def rows(model: str, made: dict, times: dict) -> tuple[list[list[str]], dict]:
     base = {k: times[k]["median_s"] for k in ("spmd", "dp_cp") if k in times}
     out, entries = [], {}
@@ -256,7 +238,7 @@ def main() -> None:
         made, facts = make(spec)
         print(f"{name}: {ref}: {facts['stages']}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            times = measure(spec, made, Path(tmp), args.rounds, args.steps)
+            times = compare_plans(spec, made, Path(tmp), args.rounds, args.steps)
         got, entries = rows(name, made, times)
         table += got
         results["models"][f"{name}: {ref}"] = result(cluster, facts, entries)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -45,7 +45,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          allow_replicate_fallback: bool = False, progress: bool = False,
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
          fusion: bool = True, keep_unfit: bool = False, zero: str = "auto", model_ref: str | None = None,
-         precision: str = "fp32", reduce_dtype: str = "float32", cache: bool = False) -> Plan:
+         precision: str = "fp32", reduce_dtype: str = "float32", cache: bool = False,
+         expert_loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -66,8 +67,12 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     (default) or "bfloat16", the dtype gradients are reduced in (half the gradient traffic;
     instruction_set.mixed_precision). `cache`: return the plan
     cached for the same inputs and cache a new one (hetsynth.plan_cache; a model reference is
-    looked up before capture, a module after it; never with `measure_ops`)."""
+    looked up before capture, a module after it; never with `measure_ops`). `expert_loads`: for
+    MoE models (routed experts), each expert's expected share of the routed tokens, as one list
+    for every MoE layer or {op name or module path: list} (instruction_set.experts_op.
+    with_expert_loads; default uniform): they price the expert split, not the placement."""
     from hetsynth.cost_models.precision import costed
+    from hetsynth.instruction_set.experts_op import with_expert_loads
     from hetsynth.instruction_set.mixed_precision import choose_policy
     from hetsynth.instruction_set.models import parse_model_ref, with_overrides
     from hetsynth.planner.feasibility import check_memory_lower_bound
@@ -89,7 +94,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     options = {"face": "api", "batch_size": batch_size, "ratios": list(ratios) if ratios is not None else None,
                "allow_replicate_fallback": allow_replicate_fallback, "data_parallel": data_parallel,
                "bucket_mb": bucket_mb, "fusion": fusion, "keep_unfit": keep_unfit, "zero": zero,
-               "precision": precision, "reduce_dtype": reduce_dtype}
+               "precision": precision, "reduce_dtype": reduce_dtype, "expert_loads": expert_loads}
     cache = cache and not measure_ops
     key = plan_cache.ref_key(model, spec, options) if cache and isinstance(model, str) else None
     if key is not None and (hit := _cached(key)) is not None:
@@ -119,6 +124,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
             from hetsynth.profiling.measured import measured
 
             graph = measured(graph, model, example_inputs)
+    if expert_loads is not None:
+        graph = with_expert_loads(graph, expert_loads)
     restrictions = DP_SEED if data_parallel else None
     if not fusion:
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_fusion=False)

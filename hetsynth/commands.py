@@ -84,6 +84,10 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the dtype gradients are reduced across devices in: float32 (default) or bfloat16 (half the "
                         "gradient traffic; the sums rounded to bfloat16, as FSDP2's reduce_dtype does)")
+    p.add_argument("--expert-loads", metavar="LOADS",
+                   help="each expert's expected share of the routed tokens, for MoE models (default: uniform): "
+                        "numbers separated by commas, one per expert, for every MoE layer, or a JSON file with such "
+                        "a list or {MoE op name or module path: list}; they price the expert split, not the placement")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.add_argument("--stages", type=_stages_arg,
                    help="also make a pipeline: 'auto' (stages, cuts and sub-meshes chosen by dynamic programming "
@@ -95,6 +99,27 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true",
                    help="plan again instead of returning the plan cached for the same inputs "
                         "($HETSYNTH_CACHE_DIR or ~/.cache/hetsynth/plans; hetsynth.plan_cache)")
+
+
+def parse_expert_loads(text: str) -> list[float] | dict[str, list[float]]:
+    """--expert-loads: numbers separated by commas, or a JSON file holding a list of numbers or
+    {op name or module path: list of numbers} (checked against the model by
+    instruction_set.experts_op.with_expert_loads)."""
+    path = Path(text)
+    if path.is_file():
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"--expert-loads {text}: not a readable JSON file ({err})") from None
+        if isinstance(value, list) or (isinstance(value, dict) and all(isinstance(v, list) for v in value.values())):
+            return value
+        raise ValueError(f"--expert-loads {text}: the file holds {type(value).__name__}; give a list of numbers "
+                         "or an object mapping MoE op names or module paths to lists of numbers")
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--expert-loads {text!r}: neither a file nor numbers separated by commas "
+                         "(e.g. 0.4,0.2,0.2,0.2)") from None
 
 
 def _stages_arg(text: str) -> int | str:
@@ -185,8 +210,11 @@ def _parse_ratios(text: str | None) -> list[float] | None:
 
 
 def plan_run(args: argparse.Namespace) -> int:
+    loads_file = args.expert_loads if args.expert_loads and Path(args.expert_loads).is_file() else None
     check_outputs({"-o": args.output},  # before the synthesis it would throw away
-                  inputs={"--cluster": args.cluster, "--model": model_file(args.model)})
+                  inputs={"--cluster": args.cluster, "--model": model_file(args.model),
+                          **({"--expert-loads": loads_file} if loads_file else {})})
+    args.expert_loads = parse_expert_loads(args.expert_loads) if args.expert_loads else None
     if args.stages is not None and args.zero not in ("auto", "0"):
         raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")
@@ -218,7 +246,8 @@ def _plan_and_print(args: argparse.Namespace, key: "plan_cache.CacheKey | None",
                              allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                              measure_ops=args.measure_ops, data_parallel=args.data_parallel,
                              bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True, zero=args.zero,
-                             precision=args.precision, reduce_dtype=args.reduce_dtype)
+                             precision=args.precision, reduce_dtype=args.reduce_dtype,
+                             expert_loads=args.expert_loads)
         stages = _stages_to_try(plan, args)
         plan = _pipeline(plan, args, stages)
         if key is not None:

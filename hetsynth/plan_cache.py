@@ -266,7 +266,8 @@ def store(key: CacheKey, plan: Plan, files: Mapping[str, str] | None = None, sum
 
 
 CLI_OPTIONS = ("batch_size", "devices", "ratios", "allow_replicate_fallback", "data_parallel", "bucket_mb",
-               "no_fusion", "zero", "precision", "reduce_dtype", "stages", "micro_batches", "schedule")  # `hetsynth plan` flags
+               "no_fusion", "zero", "precision", "reduce_dtype", "stages", "micro_batches", "schedule",
+               "expert_loads")  # `hetsynth plan` flags
 
 
 def cli_key(args: Any) -> CacheKey | None:

@@ -8,8 +8,10 @@ from typing import Any
 from hetsynth.cost_models.memory import OPTIMIZER_COPIES
 from hetsynth.instruction_set.blocks import recompute_units, recomputed_units
 from hetsynth.instruction_set.cluster import ClusterSpec
+from hetsynth.instruction_set.experts_op import OP as EXPERTS_OP
 from hetsynth.instruction_set.layouts import R, S
 from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.shards import MeshLayout
 from hetsynth.instruction_set.sync import ONE_BUCKET
 from hetsynth.instruction_set.training_state import TrainingState
 
@@ -119,6 +121,7 @@ def plan_summary_text(plan: Plan) -> str:
         f"communication {p.communication_s * 1e3:.2f} ms); peak memory {mem:.2f} GiB "
         f"({'fits' if p.fits else 'DOES NOT FIT'}, smallest device {cap:g} GiB)",
         _memory_line(plan),
+        *_experts_lines(plan),
         "",
         table([[name, f"{b.step_time_s * 1e3:.2f} ms", f"{b.step_time_s / p.step_time_s:.2f}x",
                 "yes" if b.fits else "no", b.note] for name, b in plan.baselines.items()],
@@ -174,6 +177,40 @@ def _state_rows_lines(plan: Plan) -> list[str]:
 def _zero3_text(plan: Plan) -> str:
     has_zero3 = any(i.kind == "param" and i.state == TrainingState.ZERO3 for i in plan.instructions)
     return "; ZeRO-3's gathered parameter" if has_zero3 else ""
+
+
+EXPERT_SPLITS = {"experts_dispatched": "tokens sent to them by all-to-all",
+                 "experts_sharded": "tokens all-gathered to them, outputs reduce-scattered"}
+
+
+def _experts_lines(plan: Plan) -> list[str]:
+    """How a plan's routed-experts ops (instruction_set.experts_op) run: experts per device and
+    how the tokens reach them, and with expected loads each device's share of the routed pairs;
+    one line per different way."""
+    ops = {n.name for n in plan.graph.calls if n.target == EXPERTS_OP}
+    ways: Counter[str] = Counter()
+    for ins in plan.instructions:
+        if ins.kind == "compute" and ins.node in ops:
+            ways[_experts_way(plan, ins)] += 1
+    return [f"experts      {n} MoE op(s): {way}" for way, n in ways.items()]
+
+
+def _experts_way(plan: Plan, ins: Any) -> str:
+    node = plan.graph.node(ins.node)
+    weights, layout = node.inputs[3], ins.inputs[3]
+    experts = plan.graph.node(weights).out.shape[0]
+    kind = next((k for k in EXPERT_SPLITS if k in ins.local), None)
+    if kind is None:
+        split = "tokens split" if ins.inputs[0].is_shard else "tokens whole"
+        return f"{experts} experts on every device ({split})"
+    lengths = plan.lengths(weights, layout)[0]
+    text = f"{experts} experts split {'/'.join(map(str, lengths))} ({EXPERT_SPLITS[kind]})"
+    loads = plan.graph.expert_loads.get(node.name)
+    if loads:
+        placed = MeshLayout(plan.mesh, layout)
+        shares = [sum(loads[placed.offset(lengths, 0, r):][:n]) for r, n in enumerate(lengths)]
+        text += f"; expected share of the routed pairs {'/'.join(f'{v:.2f}' for v in shares)} (loads given)"
+    return text
 
 
 def _memory_line(plan: Plan) -> str:

@@ -27,8 +27,17 @@ Per rank r of T_r tokens holding E_r of E experts, the all-gather brings (T - T_
 the reduce-scatter returns as many, while the dispatch sends k T_r H (1 - E_r / E) each way and
 receives k (T - T_r) H E_r / E: the all-to-all pays at many devices and small k, and it also
 splits the tokens' other work (the router, the output). Which is cheaper is the search's to
-say (planner.problem.Problem.op_communication charges the dispatch's all-to-alls). The
-expected load is uniform: a rank's share of the pairs is its share of the experts.
+say (planner.problem.Problem.op_communication charges the dispatch's all-to-alls).
+
+Expected loads. Unless told otherwise the routing is taken as uniform: a rank's share of the
+pairs is its share of the experts. A trained router is not uniform; the user may give each
+expert's expected share of the pairs (`with_expert_loads`: a routing histogram), kept on the
+graph (ReferenceGraph.expert_loads), and then a rank's work under an expert split is the sum of
+its experts' loads (planner.problem.Problem.rule_shares), which the prediction and the search's
+choice between the rules use. The ratio LP still moves the experts' boundaries as if the loads
+were uniform (a rank's load is piecewise linear in where its run of experts starts and ends,
+which the LP's affine forms do not express), so the placement follows the devices' speeds and
+the loads price it.
 
 Routing (softmax, top-k, the auxiliary load-balancing loss) stays outside, as ordinary ops, so
 the router's loss is part of the captured loss as the model computes it.
@@ -44,10 +53,13 @@ twice that (input and weight gradients), under uniform routing for any rank's sh
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+import math
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
 
 OP = "hetsynth.routed_experts.default"
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -188,6 +200,46 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 routed_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+Loads = Sequence[float] | Mapping[str, Sequence[float]]
+
+
+def with_expert_loads(graph: ReferenceGraph, loads: Loads) -> ReferenceGraph:
+    """The graph with the routed-experts ops' expected loads (module docstring): one list of
+    numbers for every such op, or {op name or module path: numbers}; each list one
+    non-negative number per expert, not all zero, scaled to sum to 1. ValueError naming the
+    value and what would be valid otherwise."""
+    ops = [n for n in graph.calls if n.target == OP]
+    if not ops:
+        raise ValueError(f"expert loads given, but {graph.model_ref} has no routed-experts op "
+                         "(an MoE model captured with experts=routed has one per MoE layer)")
+    if isinstance(loads, Mapping):
+        names = {k: n for n in ops for k in (n.name, n.module_path) if k}
+        unknown = [k for k in loads if k not in names]
+        if unknown:
+            raise ValueError(f"expert loads for {unknown[0]!r}: no routed-experts op of that name or module path; "
+                             f"valid: {', '.join(sorted(names)[:8])}{' ...' if len(names) > 8 else ''}")
+        given = {names[k].name: (names[k], v) for k, v in loads.items()}
+    else:
+        given = {n.name: (n, loads) for n in ops}
+    out = dict(graph.expert_loads)
+    for name, (node, values) in given.items():
+        out[name] = _normalized(node, values, graph)
+    return graph.model_copy(update={"expert_loads": out})
+
+
+def _normalized(node: Node, values: Sequence[float], graph: ReferenceGraph) -> tuple[float, ...]:
+    experts = graph.node(node.inputs[3]).out.shape[0]
+    numbers = [float(v) for v in values]
+    where = f"expert loads of {node.module_path or node.name}"
+    if len(numbers) != experts:
+        raise ValueError(f"{where}: {len(numbers)} numbers for {experts} experts; give one per expert")
+    bad = [v for v in numbers if not math.isfinite(v) or v < 0]
+    if bad or sum(numbers) <= 0:
+        raise ValueError(f"{where}: {bad[0] if bad else numbers}: give finite, non-negative numbers, not all zero")
+    total = sum(numbers)
+    return tuple(v / total for v in numbers)
 
 
 def routed_experts_flops(x_shape: Any, idx_shape: Any, w_shape: Any, gate_up_shape: Any, down_shape: Any,

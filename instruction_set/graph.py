@@ -113,6 +113,9 @@ class ReferenceGraph(BaseModel):
     # bytes a gradient carries in its reduction per byte of the parameter (the plan's precision
     # policy: 0.5 where gradients are reduced in bfloat16; cost_models.precision.costed_graph)
     grad_reduce_scale: float = 1.0
+    # per routed-experts node: each expert's expected share of the (token, expert) pairs, as the
+    # user gave them (instruction_set.experts_op.with_expert_loads); absent: uniform routing
+    expert_loads: dict[str, tuple[float, ...]] = Field(default_factory=dict)
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ReferenceGraph":
         """A copy with fields replaced; the cached lookups (by_name, consumers, fingerprint)

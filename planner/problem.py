@@ -43,7 +43,7 @@ from hetsynth.instruction_set.layouts import R, S, Layout, PartialMax, Placement
 from hetsynth.instruction_set.local import local_kinds
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.rules import Rule, product_rule, rules_for
-from hetsynth.instruction_set.shards import DimClasses, ShardLengths
+from hetsynth.instruction_set.shards import DimClasses, MeshLayout, ShardLengths
 
 
 # Per live reference graph (by id; graphs are not hashable): its one-level rules and their
@@ -281,10 +281,31 @@ class Problem:
         entries = rule_entries(node, rule)
         if rule.work_inputs:
             entries = [entries[i + 1] for i in rule.work_inputs]
+        if node.name in self.graph.expert_loads and rule.inputs[3].is_shard:
+            return self.expert_load_shares(node, rule.inputs[3])
         split = [self.shares(t, l) for t, l in entries if l.is_shard]
         if not split:
             return (1.0,) * self.width
         return tuple(min(v) for v in zip(*split))
+
+    def expert_load_shares(self, node: Node, layout: Layout) -> tuple[float, ...]:
+        """Each class's fraction of a routed-experts op's pairs with its experts split in
+        `layout`, under the graph's expected loads l_e (instruction_set.experts_op): a device
+        holding experts [o, o + n) gets sum_{e in [o, o + n)} l_e, and a class the largest
+        of its devices' (the step waits for the busiest)."""
+        memo = self.memo.setdefault("load_shares", {})
+        key = (node.name, layout)
+        if key not in memo:
+            loads, weights = self.graph.expert_loads[node.name], node.inputs[3]
+            lengths = self.lengths.rank_lengths(weights, layout)[0]
+            placed = MeshLayout(self.mesh, layout)
+            out = [0.0] * self.width
+            for rank, n in enumerate(lengths):
+                first = placed.offset(lengths, 0, rank)
+                c = self.devices.of_rank[rank]
+                out[c] = max(out[c], math.fsum(loads[first:first + n]))
+            memo[key] = tuple(out)
+        return memo[key]
 
     def compute_linear(self, node: Node, rule_index: int) -> LinearCost:
         key = (node.name, rule_index)
@@ -310,14 +331,16 @@ class Problem:
 
     def _op_id(self, node: Node) -> int:
         """A small integer naming all a node's compute cost depends on besides the rule's
-        layouts: op, FLOPs, measured time, outputs, and the structure of inputs and output."""
+        layouts: op, FLOPs, measured time, outputs, the structure of inputs and output, and the
+        expected loads of routed experts."""
         memo = self.memo.setdefault("op_id", {})
         if node.name not in memo:
             ids = self.memo.setdefault("op_ids", {})
             key = (node.target, node.flops_fwd, node.flops_bwd, node.measured_s,
                    tuple((o.shape, o.dtype, o.requires_grad) for o in node.outputs),
                    tuple(self.structure_id(t) for t in node.inputs),
-                   self.structure_id(node.name) if node.outputs else None)
+                   self.structure_id(node.name) if node.outputs else None,
+                   self.graph.expert_loads.get(node.name))
             memo[node.name] = ids.setdefault(key, len(ids))
         return memo[node.name]
 

@@ -4,13 +4,18 @@ router's auxiliary loss included, matches single-device training in float64."""
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from pathlib import Path
 
 import pytest
 
+import hetsynth
 from hetsynth import capture_model
+from hetsynth.cli import main
 from hetsynth.instruction_set.cluster import load_cluster
-from hetsynth.instruction_set.experts_op import OP
+from hetsynth.instruction_set.experts_op import OP, with_expert_loads
 from hetsynth.instruction_set.layouts import R, Layout
 from hetsynth.instruction_set.rules import registry
 from hetsynth.planner.planner import make_plan
@@ -98,3 +103,54 @@ def test_moe_families_plan_and_train_exactly(pools, family: str) -> None:
     float32, float64 = check_on_pool(pools.get(4), plan, TrainConfig(steps=2, lr=1e-2))
     assert float64.ok, float64.describe()
     assert float32.ok, float32.describe()
+
+
+def test_expert_loads_are_checked_and_scaled() -> None:
+    """User-given expert loads: one list for every MoE op or by op name or module path, scaled
+    to sum to 1; a wrong count, a negative or non-finite number, an unknown name or a model
+    without routed experts is a ValueError naming it."""
+    graph = capture_model(TINY)
+    op = next(n for n in graph.calls if n.target == OP)
+    loaded = with_expert_loads(graph, [2, 1, 1, 0, 0, 0, 0, 0])
+    assert loaded.expert_loads[op.name] == (0.5, 0.25, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert with_expert_loads(graph, {op.module_path: [1] * 8}).expert_loads[op.name] == (0.125,) * 8
+    for loads, words in (([1, 2], "2 numbers for 8 experts"), ([1] * 7 + [-1], "-1.0"),
+                         ([1] * 7 + [math.nan], "nan"), ([0] * 8, "not all zero"),
+                         ({"model.nowhere": [1] * 8}, "'model.nowhere'")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            with_expert_loads(graph, loads)
+    with pytest.raises(ValueError, match="no routed-experts op"):
+        with_expert_loads(capture_model("gpt:tiny"), [1, 1])
+
+
+def test_expert_loads_price_each_devices_experts() -> None:
+    """Experts split 3 : 2 : 2 : 1 (ratios 0.4, 0.3, 0.2, 0.1), half the pairs routed to the
+    last expert (the slow device's): the op's work on each device is the sum of its experts'
+    loads, and the plan with those loads is predicted slower than with uniform routing."""
+    graph = capture_model(TINY)
+    op = next(n for n in graph.calls if n.target == OP)
+    skewed = with_expert_loads(graph, [1] * 7 + [7])
+    cluster, ratios = load_cluster(CLUSTER), [0.4, 0.3, 0.2, 0.1]
+    pb = problem.Problem(skewed, cluster, ratios, Restrictions(two_level=False))
+    per_device = pb.devices.expand(pb.expert_load_shares(op, Layout.parse("S0")))
+    assert per_device == pytest.approx((3 / 14, 2 / 14, 2 / 14, 7 / 14)), per_device
+    force = Restrictions(force={p: "S0" for p in _expert_params(graph)}, two_level=False)
+    uniform, loaded = (make_plan(g, cluster, ratios=ratios, progress=False, restrictions=force, with_baselines=False)
+                       for g in (graph, skewed))
+    assert loaded.graph.expert_loads and loaded.predicted.step_time_s > uniform.predicted.step_time_s
+
+
+def test_expert_loads_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`hetsynth plan --expert-loads` takes numbers or a JSON file; a count that does not match
+    the experts is `error:`, exit 2, nothing written."""
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", TINY, "--cluster", str(CLUSTER), "-o", str(out), "--no-cache"]
+    assert main([*args, "--expert-loads", "1,2,3"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "3 numbers for 8 experts" in err and not out.exists(), err
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps([1, 1, 1, 1, 1, 1, 1, 5]))
+    assert main([*args, "--expert-loads", str(loads)]) == 0
+    assert list(hetsynth.load_plan(out).graph.expert_loads.values())[0][-1] == pytest.approx(5 / 12)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts "))
+    assert "8 experts split" in line and "expected share of the routed pairs" in line, line
