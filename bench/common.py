@@ -148,4 +148,3 @@ def compare_plans(cluster_path: Path, made: dict[str, Any], workdir: Path, round
                     "--rounds", str(rounds), "--steps", str(steps), "--report", str(report)], "measurement",
                    timeout_s=1500)
     return json.loads(report.read_text())
-

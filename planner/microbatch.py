@@ -156,6 +156,9 @@ def micro_graphs(spec: ModelSpec, full: ReferenceGraph, sizes: Sequence[int],
     except MicroGraphMismatch as err:
         raise MicroGraphMismatch(f"{len(sizes)} micro-batches of {spec.ref}: {err}; pipeline it with one "
                                  f"micro-batch") from err
+    if full.expert_loads:  # the user's routing loads hold per token, whatever the batch
+        graphs = {b: g.model_copy(update={"expert_loads": {n: v for n, v in full.expert_loads.items()
+                                                           if n in g.by_name}}) for b, g in graphs.items()}
     found = classify(full, graphs[distinct[0]])
     if found.coupled:
         raise ValueError(f"{len(sizes)} micro-batches would change the loss of {spec.ref}: {found.coupled[0]}; "

@@ -144,7 +144,8 @@ def test_expert_loads_from_the_command_line(tmp_path: Path, capsys: pytest.Captu
     """`hetsynth plan --expert-loads` takes numbers or a JSON file; a count that does not match
     the experts is `error:`, exit 2, nothing written."""
     out = tmp_path / "plan.json"
-    args = ["plan", "--model", TINY, "--cluster", str(CLUSTER), "-o", str(out), "--no-cache"]
+    args = ["plan", "--model", TINY, "--cluster", str(CLUSTER), "-o", str(out), "--no-cache",
+            "--ratios", "0.4,0.3,0.2,0.1"]  # one search, no LP rounds: the loads are what is tested
     assert main([*args, "--expert-loads", "1,2,3"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "3 numbers for 8 experts" in err and not out.exists(), err
@@ -154,3 +155,16 @@ def test_expert_loads_from_the_command_line(tmp_path: Path, capsys: pytest.Captu
     assert list(hetsynth.load_plan(out).graph.expert_loads.values())[0][-1] == pytest.approx(5 / 12)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts "))
     assert "8 experts split" in line and "expected share of the routed pairs" in line, line
+
+
+def test_micro_batch_graphs_keep_the_expert_loads() -> None:
+    """A pipeline's micro-batch graphs (captured again at their size) carry the full graph's
+    expert loads, so that stage plans are priced with them too (the router's auxiliary loss
+    couples micro-batches: a model with it is pipelined with one micro-batch)."""
+    from hetsynth.instruction_set.models import parse_model_ref
+    from hetsynth.planner.microbatch import micro_graphs
+
+    ref = "hf:mixtral,experts=routed,num_layers=1,num_local_experts=8,ffn_hidden=64,batch_size=4"
+    full = with_expert_loads(capture_model(ref), [1] * 7 + [9])
+    graphs, _ = micro_graphs(parse_model_ref(ref), full, [2, 2])
+    assert graphs[2].expert_loads == full.expert_loads
