@@ -214,7 +214,7 @@ def plan_run(args: argparse.Namespace) -> int:
     check_outputs({"-o": args.output},  # before the synthesis it would throw away
                   inputs={"--cluster": args.cluster, "--model": model_file(args.model),
                           **({"--expert-loads": loads_file} if loads_file else {})})
-    args.expert_loads = parse_expert_loads(args.expert_loads) if args.expert_loads else None
+    args.expert_loads = parse_expert_loads(args.expert_loads) if args.expert_loads is not None else None
     if args.stages is not None and args.zero not in ("auto", "0"):
         raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")

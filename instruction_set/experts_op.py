@@ -126,14 +126,15 @@ def dispatched_math(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up
     token = torch.div(order, idx.shape[1], rounding_mode="floor")
     rows = exchange.rows(x[token], send, recv)
     experts = exchange.rows(idx.reshape(-1)[order], send, recv) - starts[member]
-    # zeros joined to the received rows in autograd: every member's backward then runs both
-    # exchanges' adjoints, in the same order, even one with no experts (which else would leave
-    # the others waiting in theirs)
-    y = rows * 0
+    # zeros joined in autograd to the received rows and to this member's experts: every member's
+    # backward then runs both exchanges' adjoints, in the same order, whatever pairs reached it
+    # (else a member with none would leave the others waiting), and its experts get a gradient
+    # (zeros where no pair reached them, as on one device) every step
+    y = rows * 0 + (gate_up.sum() + down.sum()) * 0
     for e in range(gate_up.shape[0]):
         mine = torch.nonzero(experts == e, as_tuple=True)[0]
-        if mine.numel():
-            y = y.index_add(0, mine, expert_ffn(rows[mine], gate_up[e], down[e], act))
+        if mine.numel():  # in y's dtype: under autocast the matmuls return 16-bit rows
+            y = y.index_add(0, mine, expert_ffn(rows[mine], gate_up[e], down[e], act).to(y.dtype))
     back = exchange.rows(y, recv, send)
     out = x.new_zeros(x.shape).to(torch.promote_types(x.dtype, w.dtype))
     return out.index_add(0, token, back * w.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
@@ -215,6 +216,8 @@ def with_expert_loads(graph: ReferenceGraph, loads: Loads) -> ReferenceGraph:
         raise ValueError(f"expert loads given, but {graph.model_ref} has no routed-experts op "
                          "(an MoE model captured with experts=routed has one per MoE layer)")
     if isinstance(loads, Mapping):
+        if not loads:
+            raise ValueError("expert loads: an empty mapping; give {MoE op name or module path: loads}")
         names = {k: n for n in ops for k in (n.name, n.module_path) if k}
         unknown = [k for k in loads if k not in names]
         if unknown:
@@ -231,8 +234,11 @@ def with_expert_loads(graph: ReferenceGraph, loads: Loads) -> ReferenceGraph:
 
 def _normalized(node: Node, values: Sequence[float], graph: ReferenceGraph) -> tuple[float, ...]:
     experts = graph.node(node.inputs[3]).out.shape[0]
-    numbers = [float(v) for v in values]
     where = f"expert loads of {node.module_path or node.name}"
+    odd = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if odd or isinstance(values, (str, bytes)):
+        raise ValueError(f"{where}: {(odd or [values])[0]!r} is not a number; give one number per expert")
+    numbers = [float(v) for v in values]
     if len(numbers) != experts:
         raise ValueError(f"{where}: {len(numbers)} numbers for {experts} experts; give one per expert")
     bad = [v for v in numbers if not math.isfinite(v) or v < 0]

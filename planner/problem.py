@@ -282,11 +282,21 @@ class Problem:
         if rule.work_inputs:
             entries = [entries[i + 1] for i in rule.work_inputs]
         if node.name in self.graph.expert_loads and rule.inputs[3].is_shard:
-            return self.expert_load_shares(node, rule.inputs[3])
+            return self._per_node(node, rule, self.expert_load_shares(node, rule.inputs[3]))
         split = [self.shares(t, l) for t, l in entries if l.is_shard]
         if not split:
             return (1.0,) * self.width
-        return tuple(min(v) for v in zip(*split))
+        return self._per_node(node, rule, tuple(min(v) for v in zip(*split)))
+
+    def _per_node(self, node: Node, rule: Rule, work: tuple[float, ...]) -> tuple[float, ...]:
+        """A rule whose work inputs split inside each node (R|S0) while its first input splits
+        across nodes (routed experts dispatched inside a node, each node with its own tokens):
+        a device's work is its node's share of the first input times its share there."""
+        if not rule.work_inputs or not rule.inputs[rule.work_inputs[0]].is_two_level \
+                or not rule.inputs[0].outer.is_shard:
+            return work
+        node_share = self.shares(node.inputs[0], Layout(rule.inputs[0].outer, Replicate()))
+        return tuple(w * t for w, t in zip(work, node_share))
 
     def expert_load_shares(self, node: Node, layout: Layout) -> tuple[float, ...]:
         """Each class's fraction of a routed-experts op's pairs with its experts split in

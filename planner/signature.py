@@ -56,7 +56,7 @@ class Signatures:
         names = self.names(k)
         position = {t: f"#{i}" for i, t in enumerate(names[:-1])}
         return (node.target, canonical_args(node, position), node.flops_fwd, node.flops_bwd, node.fallback,
-                tuple(self._tensor(t, k) for t in names))
+                tuple(self._tensor(t, k) for t in names), self.pb.graph.expert_loads.get(node.name))
 
 
 def canonical_args(node: Node, position: dict[str, Any]) -> str:

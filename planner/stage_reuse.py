@@ -40,21 +40,23 @@ def _blocks(graph: ReferenceGraph) -> dict[str, str]:
     return out
 
 
-def _node_key(node: Node, position: dict[str, int], blocks: dict[str, str]) -> tuple:
+def _node_key(node: Node, position: dict[str, int], blocks: dict[str, str], graph: ReferenceGraph) -> tuple:
     block = block_of(node)
     path = node.module_path if block is None else blocks[block] + node.module_path[len(block):]
     return (node.op, node.target, canonical_args(node, position), tuple(position[t] for t in node.inputs),
             tuple(m.model_dump_json() for m in node.outputs), node.multi_output, node.flops_fwd, node.flops_bwd,
             path, json.dumps(node.value), node.fallback, node.measured_s,
-            None if node.saved is None else tuple(s.model_dump_json() for s in node.saved))
+            None if node.saved is None else tuple(s.model_dump_json() for s in node.saved),
+            graph.expert_loads.get(node.name))
 
 
 def structure(graph: ReferenceGraph) -> tuple:
     """The graph with names replaced by positions (module docstring)."""
     position = {n.name: i for i, n in enumerate(graph.nodes)}
     blocks = _blocks(graph)
-    whole = graph.model_dump_json(exclude={"nodes", "model_ref", "loss"})  # update times, scales: the planner reads them
-    return (position[graph.loss], whole, tuple(_node_key(n, position, blocks) for n in graph.nodes))
+    # update times, scales: the planner reads them (expert loads: per node, in its key)
+    whole = graph.model_dump_json(exclude={"nodes", "model_ref", "loss", "expert_loads"})
+    return (position[graph.loss], whole, tuple(_node_key(n, position, blocks, graph) for n in graph.nodes))
 
 
 def anonymous(cluster: ClusterSpec) -> str:

@@ -264,7 +264,7 @@ class _Emitter:
         layout = ins.inputs[3]
         s = span(self.plan, self.groups, node.inputs[3], layout, "inner" if layout.is_two_level else "all")
         name = f"experts_{node.name}"
-        self.root.add_module(name, DispatchedExperts(s, node.args[5]))
+        self.root.add_module(name, DispatchedExperts(s, node.args[5], self.device))
         return self.graph.call_module(name, tuple(values[:5]))
 
     def _sfb(self, ins: Instruction, node: Node, values: list[fx.Node]) -> fx.Node:

@@ -30,10 +30,10 @@ def expert_starts(lengths: Sequence[int]) -> tuple[int, ...]:
 class DispatchedExperts(nn.Module):
     """out = the op's rows of this rank's tokens, its experts' terms computed where they live."""
 
-    def __init__(self, span: Span, act: str) -> None:
+    def __init__(self, span: Span, act: str, device: torch.device) -> None:
         super().__init__()
         self.starts, self.member, self.act = expert_starts(span.lengths), span.index, act
-        self.exchange = RowExchange(span.group, span.size)
+        self.exchange = RowExchange(span.group, span.size, device)
         self.description = f"experts {self.starts[self.member]}..{self.starts[self.member + 1] - 1} of " \
                            f"{self.starts[-1]} on member {self.member} of {span.size}, starts {list(self.starts)}"
 

@@ -207,6 +207,34 @@ def test_dispatched_experts_on_three_members_are_the_op() -> None:
         torch.testing.assert_close(got, g, rtol=1e-12, atol=1e-12)
 
 
+class Loopback:
+    """One member's exchange: everything it sends, it receives."""
+
+    def counts(self, send: list[int]) -> list[int]:
+        return send
+
+    def rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return rows
+
+
+def test_dispatched_experts_under_autocast_and_without_pairs() -> None:
+    """Under bfloat16 autocast the dispatched op adds 16-bit expert rows into float32 ones (as
+    the op does); experts no pair reaches still get a gradient (zeros, as on one device), so
+    that every member's weights step and every member joins the exchanges' backward."""
+    from hetsynth.instruction_set.experts_op import dispatched_math, routed_experts_math
+
+    x, idx, w, gate_up, down = (t.float().detach().requires_grad_(t.requires_grad) for t in _routed_inputs())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dispatched_math(x, idx, w, gate_up, down, "silu", (0, 5), 0, Loopback())
+        want = routed_experts_math(x, idx, w, gate_up, down, "silu", 0)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    x, idx, w, gate_up, down = _routed_inputs()
+    unused = dispatched_math(x, idx % 3, w, gate_up[3:], down[3:], "silu", (3, 5), 0, Loopback())
+    grads = torch.autograd.grad(unused.sum(), (gate_up, down))
+    assert all(g is not None and not g.any() for g in grads)
+
+
 def test_dispatched_rule_splits_tokens_and_experts_apart() -> None:
     """The rule with tokens and experts split keeps them in separate ratio classes (the
     experts are its work inputs) and charges its two all-to-alls."""

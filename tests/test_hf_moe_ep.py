@@ -16,7 +16,7 @@ from hetsynth import capture_model
 from hetsynth.cli import main
 from hetsynth.instruction_set.cluster import load_cluster
 from hetsynth.instruction_set.experts_op import OP, with_expert_loads
-from hetsynth.instruction_set.layouts import R, Layout
+from hetsynth.instruction_set.layouts import R, Layout, Replicate
 from hetsynth.instruction_set.rules import registry
 from hetsynth.planner.planner import make_plan
 from hetsynth.planner import problem
@@ -116,7 +116,8 @@ def test_expert_loads_are_checked_and_scaled() -> None:
     assert with_expert_loads(graph, {op.module_path: [1] * 8}).expert_loads[op.name] == (0.125,) * 8
     for loads, words in (([1, 2], "2 numbers for 8 experts"), ([1] * 7 + [-1], "-1.0"),
                          ([1] * 7 + [math.nan], "nan"), ([0] * 8, "not all zero"),
-                         ({"model.nowhere": [1] * 8}, "'model.nowhere'")):
+                         ({"model.nowhere": [1] * 8}, "'model.nowhere'"), ([None] * 8, "None is not a number"),
+                         ([True] * 8, "True is not a number"), ({}, "an empty mapping")):
         with pytest.raises(ValueError, match=re.escape(words)):
             with_expert_loads(graph, loads)
     with pytest.raises(ValueError, match="no routed-experts op"):
@@ -168,3 +169,21 @@ def test_micro_batch_graphs_keep_the_expert_loads() -> None:
     full = with_expert_loads(capture_model(ref), [1] * 7 + [9])
     graphs, _ = micro_graphs(parse_model_ref(ref), full, [2, 2])
     assert graphs[2].expert_loads == full.expert_loads
+
+
+def test_experts_dispatched_inside_nodes_work_on_their_nodes_tokens() -> None:
+    """Tokens split over all devices, experts split inside each node (R|S0): a device computes
+    its experts' pairs of its own node's tokens, its node's share of the tokens times its
+    share of the experts; and the rule charges its two all-to-alls."""
+    graph = capture_model(TINY)
+    op = next(n for n in graph.calls if n.target == OP)
+    pb = problem.Problem(graph, load_cluster(CLUSTER), [0.4, 0.3, 0.2, 0.1])
+    rule = next(r for r in pb.rules[op.name] if r.local == "experts_dispatched" and r.inputs[3].is_two_level
+                and r.inputs[0].outer.is_shard)
+    node_tokens = pb.shares(op.inputs[0], Layout(rule.inputs[0].outer, Replicate()))
+    experts = pb.shares(op.inputs[3], rule.inputs[3])
+    assert pb.rule_shares(op, rule) == pytest.approx(tuple(t * e for t, e in zip(node_tokens, experts)))
+    assert sum(pb.devices.expand(pb.rule_shares(op, rule))) == pytest.approx(1.0)
+    cost, at, axis = pb.op_communication(op, rule)
+    assert axis == "inner" and cost.at(at) > 0
+

@@ -52,12 +52,12 @@ class RowExchange:
     """Rows of dim 0 between the members of a group, in counts known only at run time
     (instruction_set.experts_op.Exchange: routed pairs to their experts' ranks)."""
 
-    def __init__(self, group: Any, size: int) -> None:
-        self.group, self.size = group, size
+    def __init__(self, group: Any, size: int, device: torch.device) -> None:
+        self.group, self.size, self.device = group, size, device  # the counts travel where the group's backend does
 
     def counts(self, send: list[int]) -> list[int]:
-        received = torch.zeros(self.size, dtype=torch.int64)
-        dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=self.group)
+        received = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64, device=self.device), group=self.group)
         return received.tolist()
 
     def rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
