@@ -8,7 +8,7 @@ from typing import Any
 from hetsynth.cost_models.memory import OPTIMIZER_COPIES
 from hetsynth.instruction_set.blocks import recompute_units, recomputed_units
 from hetsynth.instruction_set.cluster import ClusterSpec
-from hetsynth.instruction_set.experts_op import OP as EXPERTS_OP
+from hetsynth.instruction_set.experts_op import OP as EXPERTS_OP, rank_loads
 from hetsynth.instruction_set.layouts import R, S
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.shards import MeshLayout
@@ -207,8 +207,7 @@ def _experts_way(plan: Plan, ins: Any) -> str:
     text = f"{experts} experts split {'/'.join(map(str, lengths))} ({EXPERT_SPLITS[kind]})"
     loads = plan.graph.expert_loads.get(node.name)
     if loads:
-        placed = MeshLayout(plan.mesh, layout)
-        shares = [sum(loads[placed.offset(lengths, 0, r):][:n]) for r, n in enumerate(lengths)]
+        shares = rank_loads(loads, lengths, MeshLayout(plan.mesh, layout))
         text += f"; expected share of the routed pairs {'/'.join(f'{v:.2f}' for v in shares)} (loads given)"
     return text
 

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from hetsynth.instruction_set.graph import Node, ReferenceGraph
+from hetsynth.instruction_set.shards import MeshLayout
 
 OP = "hetsynth.routed_experts.default"
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -230,6 +231,12 @@ def with_expert_loads(graph: ReferenceGraph, loads: Loads) -> ReferenceGraph:
     for name, (node, values) in given.items():
         out[name] = _normalized(node, values, graph)
     return graph.model_copy(update={"expert_loads": out})
+
+
+def rank_loads(loads: Sequence[float], lengths: Sequence[int], placed: MeshLayout) -> list[float]:
+    """Each rank's share of the routed pairs: the loads of its run of experts [o, o + n), its
+    offset o where `placed` puts it and n its length."""
+    return [math.fsum(loads[placed.offset(lengths, 0, rank):][:n]) for rank, n in enumerate(lengths)]
 
 
 def _normalized(node: Node, values: Sequence[float], graph: ReferenceGraph) -> tuple[float, ...]:

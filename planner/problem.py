@@ -40,6 +40,7 @@ from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
 from hetsynth.instruction_set.kinds import Category, conversion_kind
 from hetsynth.instruction_set.kinds import kind as instruction_kind
 from hetsynth.instruction_set.layouts import R, S, Layout, PartialMax, Placement, Replicate
+from hetsynth.instruction_set.experts_op import rank_loads
 from hetsynth.instruction_set.local import local_kinds
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.rules import Rule, product_rule, rules_for
@@ -306,14 +307,12 @@ class Problem:
         memo = self.memo.setdefault("load_shares", {})
         key = (node.name, layout)
         if key not in memo:
-            loads, weights = self.graph.expert_loads[node.name], node.inputs[3]
-            lengths = self.lengths.rank_lengths(weights, layout)[0]
-            placed = MeshLayout(self.mesh, layout)
+            lengths = self.lengths.rank_lengths(node.inputs[3], layout)[0]
             out = [0.0] * self.width
-            for rank, n in enumerate(lengths):
-                first = placed.offset(lengths, 0, rank)
+            for rank, load in enumerate(rank_loads(self.graph.expert_loads[node.name], lengths,
+                                                   MeshLayout(self.mesh, layout))):
                 c = self.devices.of_rank[rank]
-                out[c] = max(out[c], math.fsum(loads[first:first + n]))
+                out[c] = max(out[c], load)
             memo[key] = tuple(out)
         return memo[key]
 
