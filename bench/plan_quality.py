@@ -19,7 +19,7 @@ from common import print_tables, run_child, write_json
 CHILD = """
 import json
 import hetsynth
-plan = hetsynth.plan({ref!r}, cluster="configs/clusters/{cluster}.toml")
+plan = hetsynth.plan({ref!r}, cluster="configs/clusters/{cluster}.toml", stages=1)  # SPMD against its baselines
 print(json.dumps({{"hetsynth_s": plan.predicted.step_time_s, "fits": plan.predicted.fits,
                   "synthesis_s": plan.synthesis.seconds,
                   "baselines": {{k: {{"step_time_s": v.step_time_s, "fits": v.fits}}

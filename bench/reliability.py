@@ -51,7 +51,7 @@ def make_plan(path: Path, devices: int | None = None) -> None:
     from hetsynth.instruction_set.cluster import load_cluster
 
     cluster = load_cluster(CLUSTER)
-    api.save_plan(api.plan("gpt:tiny", cluster=cluster.first(devices) if devices else cluster), path)
+    api.save_plan(api.plan("gpt:tiny", cluster=cluster.first(devices) if devices else cluster, stages=1), path)
 
 
 def repeated_runs(plan: Path, runs: int, steps: int) -> list[dict]:

@@ -71,7 +71,7 @@ def gpt_choices(measured_spec: Path) -> dict[str, list[str]]:
     paper = ROOT / "configs" / "clusters" / "hap-paper.toml"
     out = {}
     for ref, cluster, timed in (("gpt:small-cpu", measured_spec, True), ("gpt:small", paper, False)):
-        plan = hetsynth.plan(ref, cluster=str(cluster), measure_ops=timed)
+        plan = hetsynth.plan(ref, cluster=str(cluster), measure_ops=timed, stages=1)  # SFB is an SPMD decision
         out[f"{ref} on {cluster.stem}"] = sfb_weights(plan)
     return out
 

@@ -97,7 +97,7 @@ clocks = lambda: (time.perf_counter(), time.process_time())
 ref = "gpt:paper,num_layers={layers}"
 cluster = load_cluster("configs/clusters/hap-paper.toml")
 t0 = clocks()
-spmd = hetsynth.plan(ref, cluster=cluster)
+spmd = hetsynth.plan(ref, cluster=cluster, stages=1)  # the SPMD plan; auto_stages below
 t1 = clocks()
 dp = [0.0, 0.0]
 choose = stage_dp.choose_stages

@@ -15,7 +15,8 @@ from torch import nn
 
 from hetsynth.instruction_set.cluster import ClusterSpec, load_cluster
 from hetsynth.instruction_set.graph import ReferenceGraph
-from hetsynth.instruction_set.plan import Plan
+from hetsynth.instruction_set.plan import Plan, PlanShape
+from hetsynth.plan_shape import Stages, checked_stages, stages_to_try, with_pipeline
 
 from hetsynth import plan_cache
 
@@ -46,7 +47,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
          measure_ops: bool = False, data_parallel: bool = False, bucket_mb: float | None = None,
          fusion: bool = True, keep_unfit: bool = False, zero: str = "auto", model_ref: str | None = None,
          precision: str = "fp32", reduce_dtype: str = "float32", cache: bool = False,
-         expert_loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None) -> Plan:
+         expert_loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+         stages: int | str | None = None, micro_batches: int | None = None, schedule: str | None = None) -> Plan:
     """Synthesize a Plan for a model reference or a module with its example inputs.
     `measure_ops` times the model's ops on this machine (profiling.op_profile): for clusters of
     this machine's CPUs, such as the emulated one (a model reference is then also timed on
@@ -70,7 +72,14 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     looked up before capture, a module after it; never with `measure_ops`). `expert_loads`: for
     MoE models (routed experts), each expert's expected share of the routed tokens, as one list
     for every MoE layer or {op name or module path: list} (instruction_set.experts_op.
-    with_expert_loads; default uniform): they price the expert split, not the placement."""
+    with_expert_loads; default uniform): they price the expert split, not the placement.
+    `stages`: which pipelines are considered beside the SPMD plan (hetsynth.plan_shape): None
+    (default) "auto" on a cluster of several nodes or when no SPMD plan fits, for a model
+    reference (or a module with `model_ref`) without fixed ratios, data_parallel or a forced
+    ZeRO stage; 1 the SPMD plan only; "auto" the stage DP's choice; N that many stages. The
+    pipeline is kept when it fits and is predicted more than 2 % faster, or only it fits
+    (`plan.shape`); `micro_batches` and `schedule` ("gpipe", "1f1b", "eager_1f1b") fix the
+    pipeline's (default: the fastest predicted)."""
     from hetsynth.cost_models.precision import costed
     from hetsynth.instruction_set.experts_op import with_expert_loads
     from hetsynth.instruction_set.mixed_precision import choose_policy
@@ -88,13 +97,17 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     spec = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
     if num_devices is not None:
         spec = spec.first(num_devices)
+    stages = checked_stages(stages, spec.num_devices)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     policy = choose_policy(spec, precision, reduce_dtype)  # a kind without the precision asked for fails before capture
     if isinstance(model, str) and model_ref is not None:
         raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
     options = {"face": "api", "batch_size": batch_size, "ratios": list(ratios) if ratios is not None else None,
                "allow_replicate_fallback": allow_replicate_fallback, "data_parallel": data_parallel,
                "bucket_mb": bucket_mb, "fusion": fusion, "keep_unfit": keep_unfit, "zero": zero,
-               "precision": precision, "reduce_dtype": reduce_dtype, "expert_loads": expert_loads}
+               "precision": precision, "reduce_dtype": reduce_dtype, "expert_loads": expert_loads,
+               "stages": stages, "micro_batches": micro_batches, "schedule": schedule}
     cache = cache and not measure_ops
     key = plan_cache.ref_key(model, spec, options) if cache and isinstance(model, str) else None
     if key is not None and (hit := _cached(key)) is not None:
@@ -131,13 +144,41 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_fusion=False)
     if zero == "0":
         restrictions = dataclasses.replace(restrictions or Restrictions(), allow_zero=False)
+    restricted = (f"zero {zero}" if zero not in ("auto", "0") else "ratios fixed" if ratios is not None else
+                  "data_parallel" if data_parallel else None if isinstance(model, str) else "a module")
+    pipelinable = isinstance(model, str) or model_ref is not None
+    may_pipeline = pipelinable and stages != 1 and not (restricted or "").startswith("zero")
     made = make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
-                     bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None, keep_unfit=keep_unfit,
-                     precision=precision, reduce_dtype=reduce_dtype)
+                     bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None,
+                     keep_unfit=keep_unfit or may_pipeline, precision=precision, reduce_dtype=reduce_dtype)
     made = made if zero in ("auto", "0") else _forced_zero(made, int(zero))
+    made = _shaped(made, stages, keep_unfit=keep_unfit, pipelinable=pipelinable,
+                   restricted=restricted, micro_batches=micro_batches, schedule=schedule, measure_ops=measure_ops,
+                   progress=progress)
     if key is not None:
         plan_cache.store(key, made, plan_cache.model_files(model) if isinstance(model, str) else None)
     return made
+
+
+def _shaped(spmd: Plan, stages: Stages, *, keep_unfit: bool, pipelinable: bool, restricted: str | None,
+            micro_batches: int | None, schedule: str | None, measure_ops: bool, progress: bool) -> Plan:
+    """`spmd` or a pipeline of it (hetsynth.plan_shape); PlanInfeasible when neither fits,
+    unless `keep_unfit`."""
+    from hetsynth.planner.feasibility import PlanInfeasible
+    from hetsynth.planner.planner import shortfall_message
+
+    to_try = stages_to_try(spmd, stages, pipelinable=pipelinable, restricted=restricted,
+                           micro_batches=micro_batches, schedule=schedule, progress=progress)
+    made, tried = spmd, None
+    if to_try is not None:
+        made, tried = with_pipeline(spmd, to_try, micro_batches=micro_batches, schedule=schedule,
+                                    measure_ops=measure_ops)
+    if keep_unfit or made.shape is PlanShape.PIPELINE or made.predicted.fits:
+        return made
+    if tried is None and restricted is not None and restricted.startswith("zero") and pipelinable:
+        raise PlanInfeasible(f"{shortfall_message(spmd)}. With {restricted} no pipeline is tried (the pipeline "
+                             f"runtime keeps every stage's training state whole); use zero auto")
+    raise PlanInfeasible(shortfall_message(spmd) + (f". No pipeline fits either: {tried}" if tried else ""))
 
 
 def _cached(key: "plan_cache.CacheKey") -> Plan | None:
@@ -146,6 +187,7 @@ def _cached(key: "plan_cache.CacheKey") -> Plan | None:
 
 
 ZERO_CHOICES = ("auto", "0", "1", "2", "3")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
 
 
 def _forced_zero(plan: Plan, stage: int) -> Plan:

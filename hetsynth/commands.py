@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ from hetsynth import plan_cache  # not hetsynth.api or hetsynth.report: a cached
 from hetsynth.instruction_set.files import write_atomic
 from hetsynth.runtime.config import add_train_arguments, train_config
 from hetsynth.runtime.outputs import check_outputs, model_file
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from hetsynth.instruction_set.plan import Plan
@@ -90,9 +93,11 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                         "a list or {MoE op name or module path: list}; they price the expert split, not the placement")
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     p.add_argument("--stages", type=_stages_arg,
-                   help="also make a pipeline: 'auto' (stages, cuts and sub-meshes chosen by dynamic programming "
-                        "over block boundaries within every device's memory) or a number of stages (contiguous "
-                        "nodes or devices, cut by throughput); the faster shape is kept, both are printed")
+                   help="pipelines considered beside the SPMD plan: 'auto' (stages, cuts and sub-meshes chosen by "
+                        "dynamic programming over block boundaries within every device's memory), a number of "
+                        "stages (contiguous nodes or devices, cut by throughput), or 1 (the SPMD plan only). "
+                        "Default: auto on a cluster of several nodes or when no SPMD plan fits, unless --ratios or "
+                        "--data-parallel fix an SPMD plan; the faster shape is kept, both are printed")
     p.add_argument("--micro-batches", type=int, help="micro-batches of the pipeline (default: the fastest of S, 2S, 4S)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
                    help="pipeline schedule (default: the one predicted fastest)")
@@ -129,57 +134,6 @@ def _stages_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a number of stages like 2") from None
-
-
-def _stages_to_try(plan: "Plan", args: argparse.Namespace) -> int | str | None:
-    """--stages as given; 'auto' when it is not given and the SPMD plan does not fit (printed)."""
-    if args.stages is not None:
-        return args.stages
-    if args.micro_batches is not None or args.schedule is not None:
-        raise ValueError("--micro-batches and --schedule need --stages")
-    if plan.predicted.fits:
-        return None
-    if args.zero not in ("auto", "0"):  # the pipeline runtime keeps training state whole
-        from hetsynth.planner.feasibility import PlanInfeasible
-        from hetsynth.planner.planner import shortfall_message
-
-        raise PlanInfeasible(f"{shortfall_message(plan)}. With --zero {args.zero} no pipeline is tried (the pipeline "
-                             f"runtime keeps every stage's training state whole); use --zero auto")
-    print("no SPMD plan fits in memory; trying pipeline stages (as --stages auto would)", flush=True)
-    return "auto"
-
-
-def _pipeline(plan: "Plan", args: argparse.Namespace, stages: int | str | None) -> "Plan":
-    """The plan with the pipeline of `stages` considered; PlanInfeasible when neither shape fits."""
-    from hetsynth.instruction_set.models import parse_model_ref
-    from hetsynth.instruction_set.plan import PlanShape
-    from hetsynth.instruction_set.schedule import Schedule
-    from hetsynth.planner.feasibility import PlanInfeasible
-    from hetsynth.planner.pipeline import auto_stages, plan_stages, stage_memory
-    from hetsynth.planner.planner import shortfall_message
-
-    if stages is None:
-        return plan
-
-    if args.micro_batches is not None and not 1 <= args.micro_batches <= plan.model.batch_size:
-        raise ValueError(f"--micro-batches {args.micro_batches}: choose 1..{plan.model.batch_size} (the batch size)")
-    schedule = Schedule(args.schedule) if args.schedule else None
-    spec = parse_model_ref(plan.model.ref)
-    measure = None
-    if args.measure_ops:  # each micro-batch size's ops timed too (planner.microbatch)
-        from hetsynth.profiling.measured import measure_at
-
-        measure = measure_at(plan.model.ref, plan.graph)
-    out = (auto_stages(plan, spec, num_micro=args.micro_batches, schedule=schedule, measure=measure)
-           if stages == "auto" else
-           plan_stages(plan, spec, stages, num_micro=args.micro_batches, schedule=schedule, measure=measure))
-    if out.shape is PlanShape.PIPELINE or out.predicted.fits:
-        return out
-    tried = "no pipeline of 2..8 stages fits the memory estimate"
-    if out.pipeline is not None:
-        tried = "the pipeline found does not fit either (" + "; ".join(
-            f"stage {i}: {peak:.3g} of {cap:g} GiB" for i, (peak, cap, _) in enumerate(stage_memory(out))) + ")"
-    raise PlanInfeasible(f"{shortfall_message(plan)}. No pipeline fits either: {tried}")
 
 
 def pipeline_summary(plan: "Plan") -> str:
@@ -238,20 +192,19 @@ def _plan_and_print(args: argparse.Namespace, key: "plan_cache.CacheKey | None",
     from hetsynth.report import instruction_mix
 
     if cached is not None and cached.plan is not None:
-        plan, stages = cached.plan, None
+        plan = cached.plan
     else:
         cached = None
         plan = hetsynth.plan(args.model, cluster=args.cluster, batch_size=args.batch_size,
                              num_devices=args.devices, ratios=_parse_ratios(args.ratios),
                              allow_replicate_fallback=args.allow_replicate_fallback, progress=True,
                              measure_ops=args.measure_ops, data_parallel=args.data_parallel,
-                             bucket_mb=args.bucket_mb, fusion=not args.no_fusion, keep_unfit=True, zero=args.zero,
+                             bucket_mb=args.bucket_mb, fusion=not args.no_fusion, zero=args.zero,
                              precision=args.precision, reduce_dtype=args.reduce_dtype,
-                             expert_loads=args.expert_loads)
-        stages = _stages_to_try(plan, args)
-        plan = _pipeline(plan, args, stages)
+                             expert_loads=args.expert_loads, stages=args.stages,
+                             micro_batches=args.micro_batches, schedule=args.schedule)
         if key is not None:
-            plan_cache.store(key, plan, plan_cache.model_files(args.model), summary=_plan_summary(plan, stages))
+            plan_cache.store(key, plan, plan_cache.model_files(args.model), summary=_plan_summary(plan))
     hetsynth.save_plan(plan, args.output)
     if args.json:
         _print_json({"plan": args.output, "predicted": plan.predicted.model_dump(),
@@ -260,24 +213,23 @@ def _plan_and_print(args: argparse.Namespace, key: "plan_cache.CacheKey | None",
                      "precision": plan.precision_policy().model_dump(mode="json"),
                      "synthesis": plan.synthesis.model_dump(), "cached": cached.created if cached else None})
     else:
-        print(_plan_summary(plan, stages))
-        if stages is not None:
-            print(f"planning time (SPMD and pipeline): {time.perf_counter() - started:.1f} s")
+        print(_plan_summary(plan))
+        if cached is None:  # on stderr: a cache hit prints the same stdout
+            log.info("planning time%s: %.1f s", " (SPMD and pipeline)" if plan.pipeline is not None else "",
+                     time.perf_counter() - started)
         if cached is not None:
             print(f"(cached plan from {cached.created}; --no-cache plans again)")
         print(f"\nwrote {args.output}")
     return 0
 
 
-def _plan_summary(plan: "Plan", stages: str | None) -> str:
+def _plan_summary(plan: "Plan") -> str:
     """What `hetsynth plan` prints of a plan (the plan cache keeps it: a hit prints it again)."""
     from hetsynth.report import plan_summary_text
 
     lines = [plan_summary_text(plan)]
     if plan.pipeline is not None:
         lines.append("\n" + pipeline_summary(plan))
-    elif stages == "auto":
-        lines.append("\npipeline: no stage choice of 2..8 stages fits the memory estimate; SPMD plan kept")
     return "\n".join(lines)
 
 

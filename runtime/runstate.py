@@ -211,16 +211,26 @@ def _kill_members(group: Path) -> None:
             pass
 
 
+RMDIR_WAIT_S = 15.0  # a killed rank of a loaded machine took over 2.5 s to leave its cgroup
+
+
 def _rmdir(group: Path) -> None:
-    for _ in range(50):  # killed processes leave their cgroup asynchronously
+    """Remove an emptied cgroup: killed processes leave it asynchronously (a large one on a
+    loaded machine takes seconds to exit), and a member forked after the kill is killed on the
+    next try."""
+    deadline = time.monotonic() + RMDIR_WAIT_S
+    while True:
         try:
             group.rmdir()
             return
         except FileNotFoundError:
             return
         except OSError:
+            if time.monotonic() > deadline:
+                break
+            _kill_members(group)
             time.sleep(0.05)
-    raise OSError(errno.EBUSY, f"cannot remove cgroup {group}: still busy")
+    raise OSError(errno.EBUSY, f"cannot remove cgroup {group}: processes still in it after {RMDIR_WAIT_S:g} s")
 
 
 def remove_cgroup(path: str) -> None:

@@ -87,11 +87,13 @@ def test_float32_run_resumed_with_check(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_killed_rank_is_named_and_nothing_is_left(plan_file: str) -> None:
     start = time.monotonic()
-    out = hetsynth_cli("run", plan_file, "--steps", "40", "--timeout", "30", env={"HETSYNTH_FAULT": "1:2:kill"})
+    out = hetsynth_cli("run", plan_file, "--steps", "40", "--timeout", "120", env={"HETSYNTH_FAULT": "1:2:kill"})
     elapsed = time.monotonic() - start
     assert out.returncode != 0
     assert "rank 1 failed" in out.stderr and "SIGKILL" in out.stderr, out.stderr[-2000:]
-    assert elapsed < 30 + 20, elapsed
+    # start-up included (up to a minute on a loaded 2-core machine), well under the timeout: the
+    # kill is noticed when it happens, not when the others' collectives time out
+    assert elapsed < 100, elapsed
     time.sleep(0.5)
     assert workers_alive(plan_file) == []
 

@@ -101,8 +101,8 @@ def _small_memory(memory_gib: float) -> dict:
 def test_infeasible_memory_names_the_device() -> None:
     # gpt:tiny's training state (0.42 MiB) and its unavoidable activations fit in the two devices
     # together; no plan does: the message names the device, the shortfall and what was tried
-    with pytest.raises(PlanInfeasible) as info:
-        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(_small_memory(0.0003)))
+    with pytest.raises(PlanInfeasible) as info:  # stages=1: SPMD only (the default would try a pipeline)
+        hetsynth.plan("gpt:tiny", cluster=cluster_from_dict(_small_memory(0.0003)), stages=1)
     msg = str(info.value)
     assert "the best plan found needs" in msg and ("'n/0'" in msg or "'n/1'" in msg)
     assert "short by" in msg and "GiB" in msg and "recomputation of 2 blocks" in msg
