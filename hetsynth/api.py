@@ -16,7 +16,7 @@ from torch import nn
 from hetsynth.instruction_set.cluster import ClusterSpec, load_cluster
 from hetsynth.instruction_set.graph import ReferenceGraph
 from hetsynth.instruction_set.plan import Plan, PlanShape
-from hetsynth.plan_shape import Stages, checked_stages, stages_to_try, with_pipeline
+from hetsynth.plan_shape import Stages, check_pipeline_options, checked_stages, stages_to_try, with_pipeline
 
 from hetsynth import plan_cache
 
@@ -58,7 +58,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     default: the cap the cost model predicts fastest). `fusion` False keeps every all-gather ->
     linear and linear -> reduce-scatter as its plain pair (planner.fusions). `keep_unfit`: when
     no program fits in memory, the one closest to fitting (`predicted.fits` False) instead of
-    PlanInfeasible (a pipeline may still fit: `hetsynth plan` then tries stages). `zero`: "auto"
+    PlanInfeasible (where pipelines are considered, `stages` below, one that fits is returned first). `zero`: "auto"
     shards training state (ZeRO-1/2/3) only where memory binds, "0" never, "1", "2" or "3" every
     parameter that can be at that stage, at the state LP's rows (planner.zero). `model_ref`: for a
     module, the model reference recorded in the plan (capture_model), so that `hetsynth run` can
@@ -100,6 +100,8 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     stages = checked_stages(stages, spec.num_devices)
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    check_pipeline_options(stages, micro_batches, schedule, zero=zero,
+                           pipelinable=isinstance(model, str) or model_ref is not None)
     policy = choose_policy(spec, precision, reduce_dtype)  # a kind without the precision asked for fails before capture
     if isinstance(model, str) and model_ref is not None:
         raise ValueError(f"model_ref {model_ref!r} applies to a module; {model!r} is a model reference already")
@@ -147,7 +149,7 @@ def plan(model: str | nn.Module, example_inputs: Sequence[torch.Tensor] | None =
     restricted = (f"zero {zero}" if zero not in ("auto", "0") else "ratios fixed" if ratios is not None else
                   "data_parallel" if data_parallel else None if isinstance(model, str) else "a module")
     pipelinable = isinstance(model, str) or model_ref is not None
-    may_pipeline = pipelinable and stages != 1 and not (restricted or "").startswith("zero")
+    may_pipeline = pipelinable and stages != 1  # a forced ZeRO stage: PlanInfeasible below says why none is tried
     made = make_plan(graph, spec, ratios=ratios, progress=progress, restrictions=restrictions,
                      bucket_cap=round(bucket_mb * 2**20) if bucket_mb is not None else None,
                      keep_unfit=keep_unfit or may_pipeline, precision=precision, reduce_dtype=reduce_dtype)

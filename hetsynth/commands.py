@@ -96,7 +96,7 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="pipelines considered beside the SPMD plan: 'auto' (stages, cuts and sub-meshes chosen by "
                         "dynamic programming over block boundaries within every device's memory), a number of "
                         "stages (contiguous nodes or devices, cut by throughput), or 1 (the SPMD plan only). "
-                        "Default: auto on a cluster of several nodes or when no SPMD plan fits, unless --ratios or "
+                        "Default: auto when no SPMD plan fits, and on a cluster of several nodes unless --ratios or "
                         "--data-parallel fix an SPMD plan; the faster shape is kept, both are printed")
     p.add_argument("--micro-batches", type=int, help="micro-batches of the pipeline (default: the fastest of S, 2S, 4S)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager_1f1b"],
@@ -169,7 +169,7 @@ def plan_run(args: argparse.Namespace) -> int:
                   inputs={"--cluster": args.cluster, "--model": model_file(args.model),
                           **({"--expert-loads": loads_file} if loads_file else {})})
     args.expert_loads = parse_expert_loads(args.expert_loads) if args.expert_loads is not None else None
-    if args.stages is not None and args.zero not in ("auto", "0"):
+    if args.stages not in (None, 1) and args.zero not in ("auto", "0"):
         raise ValueError(f"--zero {args.zero} with --stages {args.stages}: the pipeline runtime keeps every stage's "
                          f"training state whole; use --zero auto (the SPMD plan may still use ZeRO) or drop --stages")
     started = time.perf_counter()
@@ -289,7 +289,8 @@ def run_run(args: argparse.Namespace) -> int:
             ref = args.model or plan.model.ref
             plan, path = hetsynth.plan(ref, cluster=plan.cluster.first(args.devices),
                                        precision=plan.precision_policy().precision.value,
-                                       reduce_dtype=plan.precision_policy().reduce_dtype), None
+                                       reduce_dtype=plan.precision_policy().reduce_dtype,
+                                       stages=1 if plan.pipeline is None else None), None  # preflight checked this shape
             print(f"planned {plan.model.ref} again for the first {args.devices} devices")
         elif args.model is not None:  # the plan with --model as its reference, written in the run's directory
             plan, path = with_model_ref(plan, args.model), None

@@ -5,10 +5,10 @@
 - None (the default): `"auto"` on a cluster of more than one node, and on any cluster when no
   SPMD plan fits in memory; SPMD alone otherwise. Where the SPMD plan fits, the default
   considers no pipeline when the inputs describe an SPMD plan: fixed `ratios` (one share per
-  device of the whole cluster) or `data_parallel`; nor for a module (`hetsynth.plan(module,
-  ...)`): a pipeline plan trains only through `pm.train_step`, so the user's `loss = pm(x);
-  loss.backward()` loop would stop working on a multi-node cluster. With a forced ZeRO stage
-  no pipeline is considered (the pipeline runtime keeps every stage's training state whole).
+  device of the whole cluster) or `data_parallel`. It never considers one for a module
+  (`hetsynth.plan(module, ...)`, fitting or not: a pipeline plan trains only through
+  `pm.train_step`, so the user's `loss = pm(x); loss.backward()` loop would stop working) nor
+  with a forced ZeRO stage (the pipeline runtime keeps every stage's training state whole).
   Pipelines need a model reference (a module's `model_ref`): micro-batches are captured
   from it at their sizes.
 - 1: the SPMD plan only.
@@ -43,6 +43,27 @@ def checked_stages(stages: Stages, num_devices: int) -> Stages:
     return stages
 
 
+def check_pipeline_options(stages: Stages, micro_batches: int | None, schedule: str | None, *, zero: str,
+                           pipelinable: bool) -> None:
+    """What can be refused before any capture: micro-batches or a schedule with stages 1, a
+    micro-batch count under 1, stages asked with a forced ZeRO stage or for a module without a
+    model reference."""
+    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                      or micro_batches < 1):
+        raise ValueError(f"micro-batches {micro_batches!r}: choose 1..the batch size")
+    if stages == 1 and (micro_batches is not None or schedule is not None):
+        raise ValueError(f"micro-batches ({micro_batches}) and a schedule ({schedule}) apply to pipelines, and stages "
+                         f"1 plans SPMD only; give stages 'auto' or a number of stages")
+    if stages in (None, 1):
+        return
+    if zero not in ("auto", "0"):
+        raise ValueError(f"zero {zero} with stages {stages}: the pipeline runtime keeps every stage's training state "
+                         f"whole; use zero 'auto' (the SPMD plan may still use ZeRO) or drop stages")
+    if not pipelinable:
+        raise ValueError(f"stages {stages!r}: a pipeline captures the model again at its micro-batch sizes, which "
+                         f"needs a model reference: plan the reference, or the module with model_ref=")
+
+
 def stages_to_try(plan: Plan, stages: Stages, *, pipelinable: bool, restricted: str | None,
                   micro_batches: int | None, schedule: str | None, progress: bool) -> int | str | None:
     """The pipelines to consider for the SPMD `plan` (module docstring): "auto", a number of
@@ -60,22 +81,16 @@ def _stages_to_try(plan: Plan, stages: Stages, *, pipelinable: bool, restricted:
                    progress: bool) -> int | str | None:
     if stages == 1:
         return None
-    if stages is not None:
-        if restricted is not None and restricted.startswith("zero"):
-            raise ValueError(f"{restricted} with stages {stages}: the pipeline runtime keeps every stage's "
-                             f"training state whole; use zero 'auto' (the SPMD plan may still use ZeRO) or drop stages")
-        if not pipelinable:
-            raise ValueError(f"stages {stages!r}: a pipeline captures the model again at its micro-batch sizes, which "
-                             f"needs a model reference ({plan.model.ref!r} is not one): plan the reference, or the "
-                             f"module with model_ref=")
+    if stages is not None:  # checked before capture (check_pipeline_options)
         return stages
-    zero = restricted is not None and restricted.startswith("zero")
-    if not pipelinable or (plan.predicted.fits and restricted is not None) or zero:
+    if not pipelinable or restricted == "a module" or (restricted or "").startswith("zero"):
         return None
     if not plan.predicted.fits:
         if progress:
             print("no SPMD plan fits in memory; trying pipeline stages (as --stages auto would)", flush=True)
         return "auto"
+    if restricted is not None:
+        return None
     if len(plan.cluster.nodes) == 1:
         return None
     if progress:

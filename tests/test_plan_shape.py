@@ -49,6 +49,10 @@ def test_cli_default_writes_the_pipeline_and_stages_1_the_spmd_plan(tmp_path: Pa
         printed = capsys.readouterr().out
         assert load_plan(out).shape is shape
         assert (f"chosen: {shape.value}" in printed) == (shape is PlanShape.PIPELINE), printed[-800:]
+    out = tmp_path / "zero.json"  # SPMD only, so a forced ZeRO stage is no conflict
+    assert main(["plan", "--model", "gpt:tiny", "--cluster", SLOW_PAIR, "--no-cache", "-o", str(out),
+                 "--stages", "1", "--zero", "1"]) == 0
+    assert load_plan(out).shape is PlanShape.SPMD and load_plan(out).pipeline is None
 
 
 def test_one_node_fixed_ratios_and_modules_get_no_pipeline_unless_asked() -> None:
@@ -81,6 +85,9 @@ def _module() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     ({"stages": "two"}, "stages 'two': choose 'auto'"),
     ({"stages": True}, "stages True: choose 'auto'"),
     ({"schedule": "zigzag"}, "schedule 'zigzag': use one of gpipe, 1f1b, eager_1f1b"),
+    ({"stages": 1, "micro_batches": 2}, "micro-batches (2) and a schedule (None) apply to pipelines, and stages 1"),
+    ({"stages": 2, "zero": "2"}, "zero 2 with stages 2: the pipeline runtime keeps every stage's training state"),
+    ({"micro_batches": 0}, "micro-batches 0: choose 1..the batch size"),
 ])
 def test_bad_stages_are_errors_before_any_planning(kwargs: dict, message: str, monkeypatch) -> None:
     import hetsynth.api as api
@@ -90,9 +97,15 @@ def test_bad_stages_are_errors_before_any_planning(kwargs: dict, message: str, m
         hetsynth.plan("gpt:tiny", cluster=SLOW_PAIR, **kwargs)
 
 
-def test_micro_batches_without_a_pipeline_and_stages_for_a_bare_module_are_errors() -> None:
-    with pytest.raises(ValueError, match=r"micro-batches \(2\) and a schedule \(None\) apply to pipelines"):
-        hetsynth.plan("gpt:tiny", cluster=SLOW_PAIR, stages=1, micro_batches=2)
+def test_stages_for_a_module_without_a_reference_is_an_error_before_capture(monkeypatch) -> None:
+    import hetsynth.api as api
+
+    monkeypatch.setattr(api, "capture_model", lambda *a, **k: pytest.fail("captured before the check"))
     module, inputs = _module()
-    with pytest.raises(ValueError, match="needs a model reference .'Regression' is not one.*model_ref="):
+    with pytest.raises(ValueError, match="needs a model reference: plan the reference, or the module with model_ref="):
         hetsynth.plan(module, inputs, SLOW_PAIR, stages="auto")
+
+
+def test_micro_batches_where_no_pipeline_is_considered_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"micro-batches \(2\) and a schedule \(None\) apply to pipelines, and none"):
+        hetsynth.plan("gpt:tiny", cluster=LOCAL, num_devices=2, micro_batches=2)  # one node: SPMD only
