@@ -13,7 +13,9 @@ the first difference: its parameters and buffers (names, shapes, dtypes) against
 graph; its graph, captured again on rank 0 with inputs of the plan's shapes, against the plan's
 fingerprint (the program runs the plan's graph, so a changed forward would otherwise be
 trained as the old one); and its values, which every rank must pass alike (a checksum of every
-tensor, all-reduced as max and min: c = (sum x_k, sum w_k x_k) with w_k = 1 + k / n).
+tensor, all-reduced as max and min: c = (sum x_k, sum w_k x_k) with w_k = 1 + k / n). A
+model that draws random values (dropout) gets every rank's generator set to rank 0's: each
+rank draws a random op's whole tensor and keeps its part, one device's stream.
 
 A module whose floating-point tensors are all in another dtype than the plan's (a float64
 copy of a float32 plan, for exact checks) runs the plan converted to that dtype
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetsynth.instruction_set.local import graph_draws
 from hetsynth.instruction_set.plan import Plan, PlanShape, load_plan
 from hetsynth.instruction_set.precision import with_float_dtype
 from hetsynth.runtime.groups import Groups
@@ -70,6 +73,8 @@ def parallelize(module: nn.Module, plan: Plan | str | Path, *, timeout_s: float 
         raise PlanMismatchError(f"the module is not the one the plan was made for: {err}") from None
     _agree(_verdict(module, plan, rank, check_graph), rank)
     _check_same_values(state, rank)
+    if graph_draws(plan.graph.calls):
+        _same_generator(device)
     keys = _state_keys(module, plan)
     if plan.shape is PlanShape.PIPELINE:
         from hetsynth.runtime.pipeline.module import PipelineModule
@@ -147,6 +152,19 @@ def _checksums(state: dict[str, torch.Tensor]) -> torch.Tensor:
             out[k, 0] = x.sum()
             out[k, 1] = (x * torch.linspace(1.0, 2.0, x.numel(), dtype=torch.float64)).sum()
     return out
+
+
+def _same_generator(device: torch.device) -> None:
+    """Every rank's random generator (the CPU's, and the device's) set to rank 0's: the
+    model draws random values, and each rank draws them whole and keeps its part
+    (instruction_set.local.draw_whole), so the ranks' generators must be one stream."""
+    states = [(torch.get_rng_state, torch.set_rng_state)]
+    if device.type == "cuda":
+        states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
+    for get, put in states:
+        state = get().to(device)
+        dist.broadcast(state, src=0)
+        put(state.cpu())
 
 
 def _check_same_values(state: dict[str, torch.Tensor], rank: int) -> None:

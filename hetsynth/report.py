@@ -9,6 +9,7 @@ from hetsynth.cost_models.memory import OPTIMIZER_COPIES
 from hetsynth.instruction_set.blocks import recompute_units, recomputed_units
 from hetsynth.instruction_set.cluster import ClusterSpec
 from hetsynth.instruction_set.experts_op import OP as EXPERTS_OP, rank_loads
+from hetsynth.instruction_set.graph import CUSTOM_BACKWARD
 from hetsynth.instruction_set.layouts import R, S
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.shards import MeshLayout
@@ -108,6 +109,13 @@ def _node_runs(nodes: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
              run[0]) for run in runs]
 
 
+def _custom_backward_lines(plan: Plan) -> list[str]:
+    """A warning naming the torch.autograd.Function classes whose backward never runs."""
+    custom = plan.graph.custom_backwards
+    return [f"warning      {len(custom)} torch.autograd.Function(s) traced through their forward: "
+            f"{', '.join(custom)}; {CUSTOM_BACKWARD} (hetsynth run --check tells)"] if custom else []
+
+
 def plan_summary_text(plan: Plan) -> str:
     """What `hetsynth plan` prints: prediction, speed-ups, ratios, instruction mix, search."""
     p, s = plan.predicted, plan.synthesis
@@ -122,6 +130,7 @@ def plan_summary_text(plan: Plan) -> str:
         f"({'fits' if p.fits else 'DOES NOT FIT'}, smallest device {cap:g} GiB)",
         _memory_line(plan),
         *_experts_lines(plan),
+        *_custom_backward_lines(plan),
         "",
         table([[name, f"{b.step_time_s * 1e3:.2f} ms", f"{b.step_time_s / p.step_time_s:.2f}x",
                 "yes" if b.fits else "no", b.note] for name, b in plan.baselines.items()],

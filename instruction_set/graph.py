@@ -98,6 +98,11 @@ class Node(BaseModel):
         return sum(t.nbytes for t in self.outputs)
 
 
+# what a torch.autograd.Function in the model means for training (ReferenceGraph.custom_backwards)
+CUSTOM_BACKWARD = ("hetsynth differentiates their forward ops and never runs their backward: where a backward is "
+                   "not its forward's derivative, the gradients differ from one device's")
+
+
 class ReferenceGraph(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -116,6 +121,9 @@ class ReferenceGraph(BaseModel):
     # per routed-experts node: each expert's expected share of the (token, expert) pairs, as the
     # user gave them (instruction_set.experts_op.with_expert_loads); absent: uniform routing
     expert_loads: dict[str, tuple[float, ...]] = Field(default_factory=dict)
+    # torch.autograd.Function subclasses the forward applies: captured through their forward,
+    # their own backward never runs (planner.capture)
+    custom_backwards: tuple[str, ...] = ()
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> "ReferenceGraph":
         """A copy with fields replaced; the cached lookups (by_name, consumers, fingerprint)

@@ -17,6 +17,11 @@ rules tested in one process are the rules the runtime executes. Rewrites:
 - `experts_dispatched`: routed experts with tokens and experts split: an exchange of rows
   between ranks, so the runtime builds it (runtime.experts) and `emit_local` refuses it;
 - `amax_sharded`: a max over a split dim that tolerates an empty local shard (-inf);
+- an op that draws random values (RANDOM_DRAWS: dropout, bernoulli, rand_like, exponential,
+  uniform, ...), whatever its rule, runs as `draw_whole`: the rank draws the op's whole
+  (global-shaped) tensor and keeps its window, so its values are the ones one device draws at
+  those positions, and every rank's generator advances as one device's does (torch's CPU
+  generator has no offsets: a draw of the window alone would take the stream's first values);
 - on a rank whose outputs of the node are all empty (zero-length shards are legal), the op
   is not called: `empty_result` makes them, in the plan's local shapes and dtypes.
 
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from hetsynth.instruction_set.args import decode_arg
-from hetsynth.instruction_set.graph import Node
+from hetsynth.instruction_set.graph import Node, ReferenceGraph
 from hetsynth.instruction_set.interpret import resolve_target, run_target
 from hetsynth.instruction_set.rules import SHAPE_ARG
 from hetsynth.instruction_set.rules.conv import PLANE_OPS
@@ -60,6 +65,7 @@ class LocalContext:
     dropped: frozenset[int] = frozenset()        # input positions replaced by zeros (not keeper)
     offsets: dict[int, int] = field(default_factory=dict)  # input position -> start of its shard
     global_count: int = 1                        # elements averaged by a global mean
+    starts: dict[int, int] = field(default_factory=dict)   # output dim -> start of this rank's window
 
 
 # -- local rewrites called by generated programs ----------------------------------------------
@@ -189,6 +195,155 @@ def all_empty(shapes: Sequence[Sequence[int]]) -> bool:
     return bool(shapes) and all(math.prod(s) == 0 for s in shapes)
 
 
+# Ops that draw one random value per output element, whatever their input's values (their
+# first input gives the shape, dtype and device; dropout also scales it by the draw).
+RANDOM_DRAWS = frozenset({
+    "aten.native_dropout.default", "aten.dropout.default", "aten.bernoulli.p", "aten.rand_like.default",
+    "aten.randn_like.default", "aten.exponential.default", "aten.uniform.default",
+})
+_DROPOUTS = frozenset({"aten.native_dropout.default", "aten.dropout.default"})
+
+
+def draw_whole(target: str, whole: Sequence[int], starts: Sequence[int], x: torch.Tensor, *args: Any,
+               **kwargs: Any) -> Any:
+    """A random op on this rank's window of its output, dims [starts[d], starts[d] + x.shape[d]):
+    the op drawn on a whole-shaped stand-in for `x` (`whole_draw`), narrowed to the window
+    (`on_window`). Exact: the values are one device's at those positions, and the generator
+    ends where one device's does."""
+    return on_window(target, whole_draw(target, whole, x.dtype, x.device, args, kwargs), starts, x)
+
+
+def whole_draw(target: str, whole: Sequence[int], dtype: torch.dtype, device: torch.device, args: Sequence[Any],
+               kwargs: dict[str, Any]) -> Any:
+    """The random op drawn on ones of the whole shape (`args`, `kwargs`: the op's arguments after
+    its tensor), or None where one device draws nothing: dropout with `p = 0` or not training
+    (eager dropout returns its input; aten.native_dropout would draw a mask of ones, so a later
+    draw would fall out of step with one device's). Dropout's draw on ones is `m / (1 - p)`, m
+    the kept-element mask (native_dropout returns m too)."""
+    if target in _DROPOUTS:
+        p = args[0] if args else kwargs["p"]
+        train = args[1] if len(args) > 1 else kwargs.get("train")
+        if p == 0 or train is False:
+            return None
+    return run_target(target)(torch.ones(tuple(whole), dtype=dtype, device=device), *args, **kwargs)
+
+
+def on_window(target: str, drawn: Any, starts: Sequence[int], x: torch.Tensor) -> Any:
+    """The op's result on `x`, this rank's window (from `starts`) of its input, given the whole
+    draw `drawn` (whole_draw's): dropout is `x * (m / (1 - p))` over the window, one device's
+    output there; the others are the window of the draw."""
+    if drawn is None:  # dropout that drops nothing
+        return (x * 1, torch.ones_like(x, dtype=torch.bool)) if target == "aten.native_dropout.default" else x * 1
+    window = lambda t: _narrowed(t, starts, x.shape)
+    if target == "aten.native_dropout.default":
+        scaled, mask = drawn
+        return x * window(scaled), window(mask)
+    if target == "aten.dropout.default":
+        return x * window(drawn)
+    return window(drawn) + in_autograd(x)  # x's gradient is zero, as one device's (exponential_, uniform_)
+
+
+def _narrowed(t: torch.Tensor, starts: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    for d, (start, size) in enumerate(zip(starts, shape)):
+        if size != t.shape[d]:
+            t = t.narrow(d, start, size)
+    return t
+
+
+SDPA = "aten.scaled_dot_product_attention.default"
+MAY_DRAW = RANDOM_DRAWS | {SDPA}  # ops that may draw random values (`draws` says whether a node does)
+
+
+def sdpa_dropout(a: Sequence[Any], k: dict[str, Any]) -> float:
+    """The dropout probability of a scaled_dot_product_attention call (decoded arguments)."""
+    return float(a[4] if len(a) > 4 else k.get("dropout_p", 0.0))
+
+
+def draws(node: Node, a: Sequence[Any], k: dict[str, Any]) -> bool:
+    """Whether `node` draws random values: a random op (RANDOM_DRAWS), or attention with
+    dropout (its weights' mask)."""
+    return node.target in RANDOM_DRAWS or (node.target == SDPA and sdpa_dropout(a, k) > 0)
+
+
+def graph_draws(nodes: Sequence[Node]) -> bool:
+    """Whether any of `nodes` draws random values (`draws`, arguments decoded without values)."""
+    for node in nodes:
+        if node.target in MAY_DRAW:
+            a, k = decoded(node, [None] * len(node.inputs), torch.device("cpu"))
+            if draws(node, a, k):
+                return True
+    return False
+
+
+def whole_draw_bytes(graph: ReferenceGraph, node: Node) -> int:
+    """Bytes a rank holds while it draws `node`'s whole tensor (the stand-in of ones and the
+    draw: draw_whole, attention_dropout_whole), on top of its own shards; 0 for a node that
+    draws nothing."""
+    if node.target not in MAY_DRAW:
+        return 0
+    a, k = decoded(node, [None] * len(node.inputs), torch.device("cpu"))
+    if not draws(node, a, k):
+        return 0
+    first = graph.node(node.inputs[0]).out
+    whole = (attention_weights_shape(node.outputs[0].shape, graph.node(node.inputs[1]).out.shape[-2])
+             if node.target == SDPA else node.outputs[0].shape)
+    return 2 * math.prod(whole) * torch.empty((), dtype=getattr(torch, first.dtype)).element_size()
+
+
+def attention_weights_shape(out: Sequence[int], key_length: int) -> tuple[int, ...]:
+    """The attention weights' shape [..., L, S] for an output [..., L, Ev] and S keys."""
+    return (*out[:-1], key_length)
+
+
+def attention_drawn(drawn: torch.Tensor, starts: Sequence[int], q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention with dropout on this rank's window of the batch and heads,
+    given the whole weights' draw (`drawn`: dropout of ones, `m / (1 - p)`, as one device's
+    math kernel draws it; `starts` of the weights' window): softmax(q k^T * scale + mask) *
+    window(drawn) @ v, the math one device computes (its CPU kernels take this path under
+    dropout)."""
+    if enable_gqa and k.shape[-3] and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    return (weights * _narrowed(drawn, starts, weights.shape)) @ v
+
+
+def _draw_args(node: Node, a: tuple, ctx: LocalContext) -> tuple:
+    """draw_whole's leading arguments for `node` on this rank: its target, whole shape and
+    window starts (every dim whose local length is not the whole must have a start)."""
+    return (node.target, tuple(node.outputs[0].shape), window_starts(node, ctx), *a)
+
+
+def window_starts(node: Node, ctx: LocalContext) -> tuple[int, ...]:
+    """The start of this rank's window in each dim of `node`'s output; ValueError where a
+    split dim has none."""
+    whole, local = node.outputs[0].shape, ctx.out_shapes[0]
+    missing = [d for d, (w, n) in enumerate(zip(whole, local)) if w != n and d not in ctx.starts]
+    if missing:
+        raise ValueError(f"{node.name} ({node.target}): dims {missing} are split ({local} of {whole}) "
+                         f"but the rank's window starts are not given")
+    return tuple(ctx.starts.get(d, 0) for d in range(len(whole)))
+
+
+def attention_dropout_whole(whole_out: Sequence[int], starts: Sequence[int], q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                            is_causal: bool = False, scale: float | None = None,
+                            enable_gqa: bool = False) -> torch.Tensor:
+    """Attention with dropout on this rank's window (`starts` of the output, whole shape
+    `whole_out`): the whole weights' dropout drawn here, then attention_drawn."""
+    whole = attention_weights_shape(whole_out, k.shape[-2])
+    drawn = whole_draw("aten.dropout.default", whole, q.dtype, q.device, (dropout_p, True), {})
+    return attention_drawn(drawn, (*starts[:-1], 0), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
 # Ops run through a size-tolerant wrapper on every rank.
 LOCAL_TARGETS: dict[str, Callable[..., Any]] = {
     "aten.convolution.default": convolution,
@@ -213,6 +368,13 @@ def _inputs(node: Node, inputs: Sequence[Any], ctx: LocalContext, builder: Build
     return [builder.call(zeroed, (v,), {}) if i in ctx.dropped else v for i, v in enumerate(inputs)]
 
 
+def decoded(node: Node, inputs: Sequence[Any], device: torch.device) -> tuple[tuple, dict[str, Any]]:
+    """`node`'s arguments with its inputs' values (`inputs`, in Node.inputs order) in place."""
+    resolve = _resolver(inputs)
+    return (tuple(decode_arg(list(node.args), resolve, device)),
+            {name: decode_arg(v, resolve, device) for name, v in node.kwargs.items()})
+
+
 def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext, builder: Builder) -> Any:
     """Emit the rank-local computation of `node`; `inputs` are its inputs' local values in
     Node.inputs order (already in the rule's layouts)."""
@@ -223,6 +385,11 @@ def emit_local(node: Node, local: str, inputs: Sequence[Any], ctx: LocalContext,
     resolve = _resolver(values)
     a = tuple(decode_arg(args, resolve, ctx.device))
     k = {name: decode_arg(v, resolve, ctx.device) for name, v in node.kwargs.items()}
+    if node.target in RANDOM_DRAWS:  # before the empty-shard shortcut: an empty window still draws
+        return builder.call(draw_whole, _draw_args(node, a, ctx), k, name=node.name)
+    if draws(node, a, k):  # attention with dropout
+        return builder.call(attention_dropout_whole, (tuple(node.outputs[0].shape), window_starts(node, ctx), *a),
+                            k, name=node.name)
     if all_empty(ctx.out_shapes):  # this rank's shard is empty: no kernel sees it
         dtypes = [getattr(torch, m.dtype) for m in node.outputs]
         return builder.call(empty_result, (list(ctx.out_shapes), dtypes, node.multi_output, ctx.device, [a, k]), {},

@@ -3,7 +3,10 @@ any HuggingFace architecture from a small config (hetsynth.zoo.hf_auto),
 `path/file.py:factory[,k=v]` for a user's own model.
 
 A user factory is called with the overrides as keyword arguments and returns
-`(module, example_inputs)`; the module's forward returns the loss. Training data for a user
+`(module, example_inputs)`; the module's forward returns the loss. An override reaches the
+factory as the type its parameter is annotated with or defaults to (int, float or bool:
+`batch_size=16` is 16 for `def make(batch_size: int = 32)`, which a pipeline's micro-batch
+capture relies on), else as the string written. Training data for a user
 model are the rows of its example inputs when they hold real values (sample `i` is row
 `i % batch`), and seeded random values of the same shape and dtype when they are on the meta
 device. The inputs are those of the latest factory call made outside a meta device context
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import inspect
 import traceback
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -222,6 +226,55 @@ def _user_call(what: str, path: Path, call: Callable[[], Any]) -> Any:
         raise ModelRefError(f"{what} raised {_raised(err, path)}") from None
 
 
+_SCALARS: dict[str, type] = {"int": int, "float": float, "bool": bool}
+_TRUTH = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _factory_arguments(ref: str, factory: Callable[..., Any], raw: dict[str, str]) -> dict[str, Any]:
+    """The overrides as the factory's parameters take them (module docstring): converted to
+    int, float or bool where a parameter is annotated so or defaults to one; ModelRefError
+    naming a value that does not convert, or a name the factory has no parameter for."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: pass the strings
+        return dict(raw)
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        param = params.get(key)
+        if param is None:
+            if not open_kwargs:
+                raise ModelRefError(f"{ref}: the factory has no parameter {key!r}; its parameters: "
+                                    f"{', '.join(params) or 'none'}")
+            out[key] = value
+            continue
+        kind = _scalar_kind(param)
+        out[key] = value if kind is None else _converted(ref, key, value, kind)
+    return out
+
+
+def _scalar_kind(param: inspect.Parameter) -> type | None:
+    annotation = param.annotation
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
+    if name in _SCALARS:
+        return _SCALARS[name]
+    default = param.default
+    return type(default) if type(default) in (int, float, bool) else None
+
+
+def _converted(ref: str, key: str, value: str, kind: type) -> Any:
+    if kind is bool:
+        if value.lower() in _TRUTH:
+            return _TRUTH[value.lower()]
+    else:
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ModelRefError(f"{ref}: {key}={value!r} is not {'a' if kind is not int else 'an'} {kind.__name__} "
+                        f"(the factory's parameter {key!r} is one)")
+
+
 def _load_factory(path: Path, name: str) -> Callable[..., Any]:
     if not path.is_file():
         raise ModelRefError(f"model file {str(path)!r} does not exist")
@@ -282,8 +335,9 @@ def _rows(inputs: tuple[torch.Tensor, ...], ids: Sequence[int], seed: int) -> tu
     return tuple(out)
 
 
-def _file_spec(ref: str, path: Path, factory_name: str, overrides: dict[str, str]) -> ModelSpec:
+def _file_spec(ref: str, path: Path, factory_name: str, raw: dict[str, str]) -> ModelSpec:
     factory = _load_factory(path, factory_name)
+    overrides = _factory_arguments(ref, factory, raw)
     call = f"{factory_name}({', '.join(f'{k}={v!r}' for k, v in overrides.items())})"
     cache: dict[str, tuple[torch.Tensor, ...]] = {}
 

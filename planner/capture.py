@@ -22,7 +22,14 @@
 5. What training needs is checked here, at plan time, not on the ranks: at least one trainable
    (floating-point, requires_grad) parameter, and a loss that is one floating-point scalar
    through which gradients reach the parameters (not detached, not computed under no_grad).
-6. A model of N >= block_capture.MIN_BLOCKS identical blocks is traced with 2, 3 and 4 of
+6. A `torch.autograd.Function` subclass the forward applies (outside torch itself) is traced
+   through its forward: the graph differentiates those ops, and the class's own backward never
+   runs. Where that backward is the forward's derivative (bloom's GeLU) nothing changes; where
+   it is not (a straight-through estimator, phimoe's sparsemixer router) the gradients differ
+   from one device's. torch.export keeps no trace of it, so capture records the classes
+   (`ReferenceGraph.custom_backwards`), logs a warning, and `hetsynth plan` and a failed
+   `--check` name them.
+7. A model of N >= block_capture.MIN_BLOCKS identical blocks is traced with 2, 3 and 4 of
    them and its graph assembled, node for node the graph of tracing all N (planner.block_capture:
    checked on 4 blocks); the whole model is traced where that does not apply.
 """
@@ -43,7 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetsynth.instruction_set.args import decode_arg, encode_arg, refs_in
-from hetsynth.instruction_set.graph import Node, ReferenceGraph, TensorMeta
+from hetsynth.instruction_set.graph import CUSTOM_BACKWARD, Node, ReferenceGraph, TensorMeta
 from hetsynth.instruction_set.interpret import RUN_AS
 from hetsynth.instruction_set.models import ModelSpec
 from hetsynth.instruction_set.rules import is_supported
@@ -126,19 +133,40 @@ def _fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return FakeTensor(mode, meta, torch.device("cpu"))
 
 
-def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> Lowered:
+@contextmanager
+def _custom_functions(found: set[str]) -> Iterator[None]:
+    """Adds to `found` every torch.autograd.Function subclass applied inside, torch's own aside
+    (module docstring, 6)."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):
+            found.add(f"{cls.__module__}.{cls.__qualname__}")
+        return original.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
+
+
+def _export(model: nn.Module, inputs: Sequence[torch.Tensor]) -> tuple[Lowered, tuple[str, ...]]:
+    """The lowered training graph, and the custom autograd Functions the forward applied."""
     model.train()
     mode = FakeTensorMode()
     fake_inputs = tuple(_fake(mode, t) for t in inputs)
+    custom: set[str] = set()
     try:
-        with _faked(model, mode), mode:
+        with _faked(model, mode), mode, _custom_functions(custom):
             ep = torch.export.export(model, fake_inputs, strict=False)
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # export (or the forward: sys.exit too) raises many types; one capture error
         raise CaptureError(f"torch.export could not trace the model: {type(err).__name__}: {err}") from err
     try:
-        return lower(ep)
+        return lower(ep), tuple(sorted(custom))
     except LoweringError as err:
         raise CaptureError(str(err)) from None
 
@@ -342,7 +370,9 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_r
         except (NotReplicable, CaptureError) as err:
             log.info("capture by block of %s (%d blocks) not used, the whole model is traced: %s",
                      path, len(blocks), str(err).splitlines()[0])
-    lowered = _export(model, example_inputs)
+    lowered, custom = _export(model, example_inputs)
+    if custom:
+        log.warning("%s applies torch.autograd.Function(s) %s: %s", model_ref, ", ".join(custom), CUSTOM_BACKWARD)
     _check_trainable(model)  # after export: a forward that cannot be traced is the first thing to fix
     replay, nodes, higher_order = _Replay(), [], set()
     for node in lowered.graph_module.graph.nodes:
@@ -360,7 +390,7 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, model_r
     fallback = {r.target for r in report}
     nodes = [n.model_copy(update={"fallback": True}) if n.target in fallback else n for n in nodes]
     return with_saved(ReferenceGraph(model_ref=model_ref, nodes=tuple(nodes), loss=loss,
-                                     fallback_ops=tuple(sorted(fallback))))
+                                     fallback_ops=tuple(sorted(fallback)), custom_backwards=custom))
 
 
 def short_op(target: str) -> str:

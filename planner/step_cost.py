@@ -61,6 +61,7 @@ from hetsynth.cost_models.memory import MemoryTerm
 from hetsynth.cost_models.terms import Cost, Form, Overlap, Series, Shares, ShareKind, Term, seconds
 from hetsynth.instruction_set.kinds import Category, Phase
 from hetsynth.instruction_set.kinds import kind as instruction_kind
+from hetsynth.instruction_set.local import whole_draw_bytes
 from hetsynth.instruction_set.plan import Prediction
 from hetsynth.instruction_set.program import COLLECTIVES, FUSED_MATMULS, Instruction
 from hetsynth.instruction_set.training_state import GATHERED_AFTER_STEP, SCATTER_VARIANTS, SHARDED_STATES, TrainingState
@@ -211,7 +212,8 @@ def _unsaved_bytes(pb: Problem, ins: Instruction, saved: frozenset[str]) -> list
     that nothing else counts: activations in the layouts it reads them (a fused ag_matmul's
     gathered input) and what it writes, but not the tensors some op saves (the saved part),
     parameters, buffers and gradients (state; a gradient's all-reduce runs in place in its
-    bucket), nor a view's output (its input's storage)."""
+    bucket), nor a view's output (its input's storage). A random draw adds its whole tensor
+    (instruction_set.local.whole_draw_bytes) on every device."""
     state = ("param", "buffer")
     if ins.runs_op:
         node = pb.graph.node(ins.node)
@@ -221,7 +223,8 @@ def _unsaved_bytes(pb: Problem, ins: Instruction, saved: frozenset[str]) -> list
         read, written = [(ins.tensor, ins.src)], [(ins.tensor, ins.layout)]
     else:
         return [0.0] * pb.width
-    total = [0.0] * pb.width
+    drawn = float(whole_draw_bytes(pb.graph, node)) if ins.runs_op else 0.0  # every rank draws it whole
+    total = [drawn] * pb.width
     for name, layout in (*read, *written):
         if name in saved:
             continue

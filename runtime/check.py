@@ -39,6 +39,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hetsynth.instruction_set.graph import CUSTOM_BACKWARD
+
 PARAM_FACTOR = 10.0
 
 
@@ -54,6 +56,7 @@ class Comparison:
     policy: str = ""  # a 16-bit precision policy's description: the run was judged against its stand-in
     half: str = ""    # the 16-bit type whose tolerances apply (the stand-in's, or the gradients' reduction's)
     autocast: str = ""  # the stand-in's autocast type on one device ("": none, the plan's dtype)
+    custom_backwards: tuple[str, ...] = ()  # the model's torch.autograd.Functions (ReferenceGraph's)
 
     @property
     def judged(self) -> str:
@@ -74,9 +77,11 @@ class Comparison:
         head = (f"{self.dtype} with precision {self.policy}, against {against} on one device"
                 + (f", at {self.half}'s tolerances" if self.half != self.autocast else "")
                 if self.policy else self.dtype)
+        custom = (f"; the model applies torch.autograd.Function(s) {', '.join(self.custom_backwards)}: "
+                  f"{CUSTOM_BACKWARD}" if self.custom_backwards and not self.ok else "")
         return (f"{head}: largest relative loss difference {self.loss_rel:.3e} (tolerance "
                 f"{self.loss_tolerance:.1e}), largest parameter/buffer difference {self.worst_diff:.3e} "
-                f"in {self.worst or '-'} (tolerance {self.tensor_tolerance:.1e}){lowered}")
+                f"in {self.worst or '-'} (tolerance {self.tensor_tolerance:.1e}){lowered}{custom}")
 
 
 def lowest_dtype(dtype: str, lowered: Mapping[str, str]) -> str:
@@ -117,24 +122,25 @@ def dtype_tolerances(dtype: str, optimizer: str, lr: float, steps: int, toleranc
 def compare(dtype: str, losses: Sequence[float], expected_losses: Sequence[float],
             tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
             tolerances: tuple[float, float], lowered: Mapping[str, str] | None = None, policy: str = "",
-            half: str = "", autocast: str = "") -> Comparison:
+            half: str = "", autocast: str = "", custom_backwards: tuple[str, ...] = ()) -> Comparison:
     """The run's losses and final tensors against single-device training; NaN counts as
     the worst difference, and a tensor missing on either side fails. `lowered`: the ops that
-    ran in a lower precision than `dtype` ({op: dtype}), named in the result."""
+    ran in a lower precision than `dtype` ({op: dtype}), named in the result;
+    `custom_backwards`: the model's autograd Functions, named where the check fails."""
     low = tuple(sorted((lowered or {}).items()))
     worst, worst_diff = "", 0.0
     for name in sorted(set(tensors) | set(expected)):
         if name not in tensors or name not in expected:
             if name in tensors:  # the run has a tensor the plain model does not
                 return Comparison(dtype, 0.0, name, math.inf, *tolerances, lowered=low, policy=policy, half=half,
-                                  autocast=autocast)
+                                  autocast=autocast, custom_backwards=custom_backwards)
             continue  # an alias or a buffer the graph never reads: not trained
         diff = tensor_difference(tensors[name], expected[name])
         if math.isnan(diff) or diff > worst_diff:
             worst, worst_diff = name, math.inf if math.isnan(diff) else diff
     loss = loss_difference(losses, expected_losses)
     return Comparison(dtype, math.inf if math.isnan(loss) else loss, worst, worst_diff, *tolerances, lowered=low,
-                      policy=policy, half=half, autocast=autocast)
+                      policy=policy, half=half, autocast=autocast, custom_backwards=custom_backwards)
 
 
 # -- the same check on a pool of ranks (tests, bench/families.py) ---------------------------------
@@ -169,5 +175,6 @@ def check_on_pool(pool: Any, plan: Any, config: Any, tolerance: float = 1e-9) ->
         with lowered_ops_recorded() as lowered:
             losses, expected = plan_reference(plan, run_config)
         tol = dtype_tolerances(dtype, config.optimizer, config.lr, config.steps, tolerance, lowered)
-        out.append(compare(dtype, results[0][0], losses, tensors, expected, tol, lowered))
+        out.append(compare(dtype, results[0][0], losses, tensors, expected, tol, lowered,
+                           custom_backwards=plan.graph.custom_backwards))
     return out

@@ -49,7 +49,8 @@ from hetsynth.instruction_set.graph import Node
 from hetsynth.instruction_set.interpret import constant
 from hetsynth.instruction_set.kinds import Category, Implementations, MissingImplementation, Phase, kinds
 from hetsynth.instruction_set.layouts import P, R, Layout
-from hetsynth.instruction_set.local import LocalContext, dropped_inputs, emit_local, local_kinds
+from hetsynth.instruction_set.local import (MAY_DRAW, LocalContext, decoded, dropped_inputs, emit_local, local_kinds,
+                                            window_starts)
 from hetsynth.instruction_set.mesh import Mesh
 from hetsynth.instruction_set.plan import Plan
 from hetsynth.instruction_set.program import Instruction
@@ -58,6 +59,7 @@ from hetsynth.instruction_set.shards import MeshLayout
 from hetsynth.instruction_set.training_state import TrainingState
 from hetsynth.runtime.collectives import Span
 from hetsynth.runtime.conversions import make_conversion, span
+from hetsynth.runtime.draws import Draws
 from hetsynth.runtime.experts import DispatchedExperts
 from hetsynth.runtime.fused_ops import FusedLinear
 from hetsynth.runtime.mixed_precision import gradient_wire, wire_dtype
@@ -124,13 +126,16 @@ def local_slice(plan: Plan, tensor: str, layout: Layout, rank: int, full: torch.
 
 class _Emitter:
     def __init__(self, plan: Plan, groups: Groups, state: Mapping[str, torch.Tensor] | None,
-                 device: torch.device, outputs: Sequence[tuple[str, Layout]] = ()) -> None:
+                 device: torch.device, outputs: Sequence[tuple[str, Layout]] = (), draws: Draws | None = None) -> None:
         self.plan, self.groups, self.state, self.device = plan, groups, state, device
         self.outputs = list(outputs)
         self.rank = groups.rank
         self.member = groups.mesh.index(groups.rank)  # index into per-member shard lengths
         self.graph = fx.Graph()
         self.root = nn.Module()
+        self.draws = draws
+        if draws is not None:
+            self.root.add_module("draws", draws)
         self.env: dict[tuple[str, Layout], fx.Node] = {}
         self.params: list[LocalParam] = []
         self.inputs: list[tuple[str, Layout]] = []
@@ -229,11 +234,20 @@ class _Emitter:
             out = self._sfb(ins, node, values)
         elif "experts_dispatched" in local_kinds(ins.local):
             out = self._dispatched(ins, node, values)
+        elif self.draws is not None and self.draws.holds(node.name):  # a pipeline's: made whole once a step
+            out = self._drawn(node, ins, values)
         else:
             out = emit_local(node, ins.local, values, self._context(node, ins), FxBuilder(self.graph))
         if self.zero3 & set(node.inputs):
             out = self._regather_point(out)
         self.env[(ins.node, ins.layout)] = out
+
+    def _drawn(self, node: Node, ins: Instruction, values: list[fx.Node]) -> fx.Node:
+        """A random op of a pipeline stage: its window of the step's whole draw (runtime.draws)."""
+        shape = node.outputs[0].shape
+        self.draws.fold(node.name, shape)  # DrawShapeError while building, not at the first step
+        a, k = decoded(node, values, self.device)
+        return self.graph.call_module("draws", (node.name, shape, window_starts(node, self._context(node, ins)), *a), k)
 
     def _context(self, node: Node, ins: Instruction) -> LocalContext:
         mesh = self.groups.mesh
@@ -243,8 +257,10 @@ class _Emitter:
             offsets[0] = self._lookup_offset(node, ins)
         if "experts_sharded" in local_kinds(ins.local):  # the rank's first expert (instruction_set.experts_op)
             offsets[3] = self._offset(node.inputs[3], ins.inputs[3], 0)
+        starts = ({d: self._offset(node.name, ins.layout, d) for d in self.plan.lengths(node.name, ins.layout)}
+                  if node.target in MAY_DRAW and ins.layout.is_shard else {})  # the window of a whole draw (instruction_set.local)
         return LocalContext(shapes, self.device, dropped_inputs(ins.local, mesh.node(self.rank), mesh.local(self.rank)),
-                            offsets, _global_count(self.plan, node))
+                            offsets, _global_count(self.plan, node), starts)
 
     def _offset(self, tensor: str, layout: Layout, dim: int) -> int:
         """Start of this rank's shard of `tensor` along `dim` under `layout`."""
@@ -386,9 +402,12 @@ def _token_counts(plan: Plan, x: str, layout: Layout) -> list[int]:
 
 
 def build_rank_program(plan: Plan, groups: Groups, *, state: Mapping[str, torch.Tensor] | None = None,
-                       device: torch.device | str = "cpu", outputs: Sequence[tuple[str, Layout]] = ()) -> RankProgram:
+                       device: torch.device | str = "cpu", outputs: Sequence[tuple[str, Layout]] = (),
+                       draws: Draws | None = None) -> RankProgram:
     """The per-rank program. `state` maps the model's parameter and buffer names to whole
     tensors (sliced here); without it, parameters are meta tensors (for reading the code).
     `outputs`: (tensor, layout) pairs the program also returns, after the buffer updates (a
-    pipeline stage's boundary outputs, in the layouts it computes them)."""
-    return _Emitter(plan, groups, state, torch.device(device), outputs).emit()
+    pipeline stage's boundary outputs, in the layouts it computes them). `draws`: a pipeline
+    stage's random draws, made once a step (runtime.draws); without it, a random op draws its
+    whole tensor where it runs (instruction_set.local.draw_whole)."""
+    return _Emitter(plan, groups, state, torch.device(device), outputs, draws).emit()

@@ -439,7 +439,7 @@ def _compare(plan: Plan, opts: RunOptions, report: str, params: str, dtype: str)
                                   opts.tolerance, lowered)
     policy = plan.precision_policy().describe() if judged != dtype or autocast else ""
     return compare(dtype, run["losses"], losses, torch.load(params, weights_only=False), expected, tolerances,
-                   lowered, policy, judged if policy else "", autocast)
+                   lowered, policy, judged if policy else "", autocast, plan.graph.custom_backwards)
 
 
 @dataclass(frozen=True)

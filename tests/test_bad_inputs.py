@@ -41,6 +41,8 @@ def inputs_batches(**kw):
     return M(), (torch.zeros(3, 4), torch.zeros(2, 4))
 def no_kwargs():
     return M(), (torch.zeros(3, 4),)
+def typed(batch_size: int = 3, wide: bool = False):
+    return M(), (torch.zeros(batch_size, 4),)
 """
 
 
@@ -131,7 +133,12 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("input not a tensor", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_str"], "example_inputs[1] is a str ('text')"),
     ("bare tensor", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_tensor"], "got Tensor (wrap a single tensor"),
     ("two batch sizes", lambda t, p: ["inspect", "--model", f"{t}/m.py:inputs_batches"], "shapes: [(3, 4), (2, 4)]"),
-    ("unknown kwarg", lambda t, p: ["inspect", "--model", f"{t}/m.py:no_kwargs,width=3"], "no_kwargs(width='3') raised TypeError"),
+    ("unknown kwarg", lambda t, p: ["inspect", "--model", f"{t}/m.py:no_kwargs,width=3"],
+     "the factory has no parameter 'width'; its parameters: none"),
+    ("kwarg not an int", lambda t, p: ["inspect", "--model", f"{t}/m.py:typed,batch_size=eight"],
+     "batch_size='eight' is not an int (the factory's parameter 'batch_size' is one)"),
+    ("kwarg not a bool", lambda t, p: ["inspect", "--model", f"{t}/m.py:typed,wide=maybe"],
+     "wide='maybe' is not a bool"),
     ("nan ratio", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "nan,1,1,1", "-o", _out(t)],
      "ratios must be finite, >= 0 and have a positive sum, got [nan, 1.0, 1.0, 1.0]"),
     ("ratios for 3", lambda t, p: PLAN + ["gpt:tiny", "--ratios", "1,1,1", "-o", _out(t)], "3 ratios given for 4 devices"),

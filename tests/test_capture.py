@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,3 +249,50 @@ def test_slice_assignment_trains_through_the_graph() -> None:
     want.backward()
     assert float(loss) == pytest.approx(float(want), rel=1e-12)
     torch.testing.assert_close(got, m.w.grad, rtol=1e-12, atol=1e-12)
+
+
+CLUSTERS = Path(__file__).resolve().parents[1] / "configs" / "clusters"
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounds in the forward; passes the gradient through unchanged (not the forward's derivative)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _StraightThrough.apply(self.fc(x)).pow(2).mean()
+
+
+def test_custom_autograd_functions_are_recorded_and_named(caplog: pytest.LogCaptureFixture) -> None:
+    """torch.export traces a torch.autograd.Function through its forward and keeps no trace of
+    its backward: capture records the class, logs a warning, and the plan summary and a failed
+    check name it; a model without one records none (torch's own Functions are not counted)."""
+    from hetsynth.instruction_set.cluster import load_cluster
+    from hetsynth.planner.planner import make_plan
+    from hetsynth.report import plan_summary_text
+    from hetsynth.runtime.check import compare
+
+    with caplog.at_level("WARNING", logger="hetsynth.planner.capture"):
+        graph = capture(_Quantized(), (torch.randn(8, 4),), model_ref="quantized")
+    name = f"{__name__}._StraightThrough"
+    assert graph.custom_backwards == (name,)
+    assert any(name in r.getMessage() and "never runs their backward" in r.getMessage() for r in caplog.records)
+    assert capture_model("gpt:tiny").custom_backwards == ()
+    failed = compare("float64", [1.0], [1.1], {}, {}, (1e-9, 1e-8), custom_backwards=graph.custom_backwards)
+    assert not failed.ok and name in failed.describe()
+    passed = compare("float64", [1.0], [1.0], {}, {}, (1e-9, 1e-8), custom_backwards=graph.custom_backwards)
+    assert passed.ok and name not in passed.describe()
+    plan = make_plan(graph, load_cluster(CLUSTERS / "local-emulated.toml"), progress=False, with_baselines=False)
+    assert any(line.startswith("warning") and name in line for line in plan_summary_text(plan).splitlines())

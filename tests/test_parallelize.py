@@ -6,7 +6,8 @@ every rank of a 4-rank pool with uneven ratios trains in float64 to the same los
 and parameters and buffers (1e-8) as the same loop on one device with the plain module:
 for an HF GPT-2 causal LM with tied embeddings (a plan made with hetsynth.plan from the
 module), under the planner's own plan, a tensor-parallel plan and a ZeRO-2 plan, and for a
-ResNet (BatchNorm buffers) and BERT under ZeRO-3. Bad input is refused before any step."""
+ResNet (BatchNorm buffers) and BERT under ZeRO-3, and for the GPT-2 LM with dropout (one
+device's draws). Bad input is refused before any step."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ class TinyLM(nn.Module):
     """HF GPT-2 (tied input and output embeddings) with the loss computed here: HF's own loss
     upcasts the logits with .float(), which would round a float64 run to float32."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False)
         config._attn_implementation = "eager"
         self.hf = transformers.GPT2LMHeadModel(config)
 
@@ -151,6 +152,29 @@ def test_hf_lm_under_zero2(pools) -> None:
     plan = forced_zero(make_plan(graph, cluster, ratios=RATIOS, progress=False, restrictions=DP_SEED,
                                            with_baselines=False), 2)
     check(pools, plan, build_lm, lm_batches(STEPS * MICRO))
+
+
+def build_dropout_lm() -> nn.Module:
+    """The LM with dropout 0.1 everywhere; on a rank, its generator then advanced by a number
+    of draws that differs between ranks (a user's rank-dependent draws before parallelize)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.1).double()
+    if dist.is_initialized():
+        torch.rand(3 * dist.get_rank())
+    return model
+
+
+def test_hf_lm_with_dropout_draws_one_devices_values(pools) -> None:
+    """HF GPT-2 with embedding, attention and residual dropout, in the user's loop at uneven
+    ratios: parallelize sets every rank's generator to rank 0's, each rank draws every random
+    op whole and keeps its part, so the run is the same loop on one device (whose generator is
+    rank 0's), float64 within 1e-9."""
+    cluster = load_cluster(CLUSTER)
+    plan = hetsynth.plan(build_dropout_lm(), lm_batches(1)[0], cluster, ratios=RATIOS)
+    assert any(n.target == "aten.native_dropout.default" for n in plan.graph.calls)
+    check(pools, plan, build_dropout_lm, lm_batches(STEPS * MICRO))
 
 
 def zoo_build(ref: str):

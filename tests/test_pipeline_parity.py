@@ -90,3 +90,12 @@ def test_pipeline_parity(pools, model: str, num_stages: int, schedules: tuple[Sc
         shards = plans[0].pipeline.stages[2].plans[max(plans[0].pipeline.micro_batches)].shards
         assert any(0 in lengths for t in shards.values() for dims in t.values() for lengths in dims.values())
     check(pools, plans)
+
+
+def test_pipeline_with_dropout_draws_one_devices_values(pools) -> None:
+    """GPT with dropout 0.1 (residual and attention dropout) in 2 stages and 3 uneven
+    micro-batches: every micro-batch reads one device's draws (runtime.draws), so the pipeline
+    trains exactly as one device does."""
+    plans = pipeline_plans("gpt:tiny,dtype=float64,dropout=0.1", 2, 3, EAGER)
+    assert plans[0].pipeline.micro_batches == (3, 3, 2)
+    check(pools, plans)

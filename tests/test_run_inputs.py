@@ -102,3 +102,37 @@ def test_bad_input_fails_first_and_leaves_nothing(files: dict[str, str], line: s
     assert set(os.listdir(files["dir"])) == before_files  # no checkpoint, report or probe file
     assert _temp_entries() == before_temp
     assert (set(state_dir().glob(f"{os.getpid()}-*")) if state_dir().is_dir() else set()) == states
+
+
+TYPED_FACTORY = """
+from __future__ import annotations
+import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self, width, wide, scale, name):
+        super().__init__()
+        self.l = torch.nn.Linear(width, 1)
+        self.seen = (width, wide, scale, name)
+
+    def forward(self, x):
+        return self.l(x).sum()
+
+
+def make(batch_size: int = 4, width=3, wide: bool = False, scale: float = 1.0, name="m", **extra):
+    model = M(width, wide, scale, name)
+    model.extra = extra
+    return model, (torch.zeros(batch_size, width),)
+"""
+
+
+def test_factory_overrides_arrive_as_the_parameters_types(tmp_path: Path) -> None:
+    """`path.py:make,k=v` passes each value as the type its parameter is annotated with (string
+    annotations too) or defaults to, else as the string: batch_size=16 is 16, which a
+    pipeline's micro-batch capture (with_overrides(batch_size=...)) relies on."""
+    path = tmp_path / "typed.py"
+    path.write_text(TYPED_FACTORY)
+    spec = parse_model_ref(f"{path}:make,batch_size=6,width=5,wide=true,scale=0.25,name=7,other=x")
+    module = spec.build("cpu")
+    assert module.seen == (5, True, 0.25, "7") and module.extra == {"other": "x"}
+    assert tuple(spec.example_inputs()[0].shape) == (6, 5)

@@ -34,7 +34,7 @@ from hetsynth.instruction_set.args import decode_arg, encode_arg, refs_in
 from hetsynth.instruction_set.graph import Node, TensorMeta
 from hetsynth.instruction_set.interpret import resolve_target, run_target
 from hetsynth.instruction_set.layouts import P, PMAX, R, Layout
-from hetsynth.instruction_set.local import EagerBuilder, LocalContext, emit_local, local_kinds
+from hetsynth.instruction_set.local import RANDOM_DRAWS, EagerBuilder, LocalContext, emit_local, local_kinds
 from hetsynth.instruction_set.rules import Rule, registered_targets, rules_for
 from hetsynth.instruction_set.rules.elementwise import ELEMENTWISE
 from hetsynth.instruction_set.experts_op import dispatched_math
@@ -230,10 +230,11 @@ NOT_RUN = {"aten.copy_.default": "the buffer update: the trainer writes it after
 # Ops of the surface that no rule shards: every rank computes them whole.
 UNSHARDED = {"aten.prod.default": "a product of every element: no dim kept, and not linear"}
 
-# Ops whose values are not the single-device ones (random draws, uninitialised memory):
-# only the shapes and the backward are checked.
-UNCOMPARED = {"aten.bernoulli.p", "aten.dropout.default", "aten.native_dropout.default",
-              "aten.rand_like.default", "aten.randn_like.default", "aten.empty_like.default"}
+# Ops whose values are not the single-device ones (uninitialised memory): only the shapes and
+# the backward are checked. Random draws are compared: each rank and the reference draw from
+# the same generator state (instruction_set.local.draw_whole).
+UNCOMPARED = {"aten.empty_like.default"}
+SEED = 1234
 
 
 def accepted_ops() -> list[str]:
@@ -375,7 +376,13 @@ def run_rank(node: Node, rule: Rule, rank: int, empty: int, inputs: list[Any], w
         offsets[0] = sum(lengths(full.shape[rule.inputs[0].shard_dim], empty)[:rank])
     if "experts_sharded" in local_kinds(rule.local):  # the rank's first expert
         offsets[3] = sum(lengths(first(whole[node.inputs[3]]).shape[0], empty)[:rank])
-    ctx = LocalContext(tuple(shapes), dropped=dropped, offsets=offsets, global_count=mean_count(node, whole))
+    starts = {}
+    if node.target in RANDOM_DRAWS and rule.output.shard_dim is not None:  # the rank's window of a whole draw
+        d = rule.output.shard_dim
+        starts[d] = sum(lengths(node.outputs[0].shape[d], empty)[:rank])
+        torch.manual_seed(SEED)  # each rank's generator as one device's (every rank draws whole)
+    ctx = LocalContext(tuple(shapes), dropped=dropped, offsets=offsets, global_count=mean_count(node, whole),
+                       starts=starts)
     return emit_local(node, rule.local, inputs, ctx, EagerBuilder())
 
 
@@ -478,7 +485,9 @@ def both(call: Callable[[int], Any], hub: ThreadExchange | None) -> list[Any]:
 
 
 def reference(node: Node, whole: dict[str, Any]) -> Any:
-    """The op on whole tensors, on one device."""
+    """The op on whole tensors, on one device (a random op from the ranks' generator state)."""
+    if node.target in RANDOM_DRAWS:
+        torch.manual_seed(SEED)
     it = iter(node.inputs)
     resolve = lambda _name: whole[next(it)]
     args = decode_arg(list(node.args), resolve)

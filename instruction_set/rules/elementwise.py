@@ -2,7 +2,8 @@
 
 Every functional op ATen tags `torch.Tag.pointwise` (add, mul, exp, where, gelu, the
 comparisons, ...; registered as a tag family) and the untagged elementwise ops of ELEMENTWISE
-(dtype conversions, aliases, fills, dropout) get `pointwise_rules`:
+(dtype conversions, aliases, fills, dropout and other random draws) get `pointwise_rules`
+(a random draw keeps the values one device draws: instruction_set.local.draw_whole):
 
 Sharding: the output may be sharded on any dim `d` of size > 1; an input whose aligned dim
 (numpy broadcasting aligns trailing dims) has the same size is then sharded on it, an input
@@ -45,7 +46,7 @@ ELEMENTWISE = [
     "aten.lift_fresh_copy.default", "aten.masked_fill.Tensor", "aten.to.dtype",
     "aten.to.dtype_layout", "aten.contiguous.default", "aten.type_as.default",
     "aten.dropout.default", "aten.bernoulli.p", "aten.rand_like.default", "aten.randn_like.default",
-    "aten.polar.default",
+    "aten.exponential.default", "aten.uniform.default", "aten.polar.default",
 ]
 
 

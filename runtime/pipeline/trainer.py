@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from hetsynth.instruction_set.interpret import call_node, constant
 from hetsynth.instruction_set.layouts import Layout
+from hetsynth.instruction_set.local import MAY_DRAW
 from hetsynth.instruction_set.models import ModelSpec, parse_model_ref, with_dtype
 from hetsynth.instruction_set.pipeline import Pipeline, PipelineStage
 from hetsynth.instruction_set.plan import Plan
@@ -43,6 +44,7 @@ from hetsynth.instruction_set.schedule import ActionOp
 from hetsynth.instruction_set.shards import MeshLayout
 from hetsynth.runtime.codegen import RankProgram, build_rank_program, local_slice
 from hetsynth.runtime.config import TrainConfig
+from hetsynth.runtime.draws import Draws
 from hetsynth.runtime.groups import Groups, group_timeout
 from hetsynth.runtime.input_rows import input_names, input_rows, layout_rows, local_rows, stage_mesh_of, stage_statistics
 from hetsynth.runtime.mixed_precision import autocast, forward_dtype, gradient_wire, loss_scaler, reduced
@@ -80,6 +82,7 @@ class PipelineTrainer:
     losses: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # of the last step (train_step)
     events: list[tuple[str, int, float, float]] = field(default_factory=list)  # of the last step (train_step)
+    draws: Draws | None = None             # the model's random draws, made whole once a step (runtime.draws)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -120,16 +123,25 @@ def build(plan: Plan, rank: int, state: dict[str, torch.Tensor], params: set[str
     groups = Groups.for_stages([stage_mesh(s) for s in pipeline.stages], rank, world=world)
     shared = _shared_groups(pipeline, rank, world)
     stage = pipeline.stage_of(rank)
+    draws = _draws(plan, stage, torch.device(device))
     programs: dict[int, RankProgram] = {}
     for b in sorted(stage.plans, reverse=True):
         programs[b] = build_rank_program(stage.plans[b], groups, state=state, device=device,
-                                         outputs=_outputs(pipeline, stage))
+                                         outputs=_outputs(pipeline, stage), draws=draws)
         if len(programs) > 1:
             _share_parameters(programs[b], programs[max(programs)])
     buffers = {k: v.detach().clone() for k, v in state.items() if k not in params}
     return PipelineTrainer(plan, stage, groups, world, programs, shared, buffers, input_rows(plan, rank),
                            torch.device(device), dtype, scaler=loss_scaler(plan, torch.device(device), world, dtype),
-                           autocast_dtype=forward_dtype(plan, rank, dtype))
+                           autocast_dtype=forward_dtype(plan, rank, dtype), draws=draws)
+
+
+def _draws(plan: Plan, stage: PipelineStage, device: torch.device) -> Draws | None:
+    """The stage's random draws, made whole once a step (runtime.draws); None for a model
+    that draws nothing."""
+    keep = {n.name for p in stage.plans.values() for n in p.graph.calls if n.target in MAY_DRAW}
+    made = Draws(plan.graph, plan.model.batch_size, keep, device)
+    return made if made.made else None
 
 
 def setup(plan: Plan, rank: int, config: TrainConfig, *, world: Any) -> PipelineTrainer:
@@ -260,6 +272,8 @@ def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
     clock = time.perf_counter()
     pipeline, s = t.pipeline, t.stage.index
     stats = statistics(t, inputs)
+    if t.draws is not None:
+        t.draws.make()
     received: dict[int, dict] = {}
     saved: dict[int, list[torch.Tensor]] = {}
     outs: dict[int, dict] = {}
@@ -272,6 +286,8 @@ def run_actions(t: PipelineTrainer, inputs: Sequence[torch.Tensor],
     clock = now
     for a in pipeline.actions[s]:
         m = a.micro_batch
+        if t.draws is not None and a.op in (ActionOp.F, ActionOp.B):  # a recomputed block reads its own rows
+            t.draws.offset = sum(pipeline.micro_batches[:m])
         if a.op is ActionOp.RECV_F:
             bd = pipeline.boundaries[a.boundary]
             received.setdefault(m, {})[(bd.tensor, bd.dst_layout)] = receive_forward(posted.pop((a.boundary, m)), True)
